@@ -1,0 +1,225 @@
+"""MoEConfig: the one flat, typed, validated dataclass behind every option of the plugin.
+
+Every option has a type, a default and a help text (``field(metadata={"help": ...})``). The Megatron and fairseq
+adapters render these fields into their trainers' flags (``iter_options()`` gives name, type, default, help,
+choices), so nothing here may depend on a trainer. Invalid values fail at construction with a ``ConfigError``
+that names the option and the value.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Optional
+
+
+class ConfigError(ValueError):
+    """An invalid MoE option; the message names the option (as a flag-style name) and the value."""
+
+
+def _opt(default: Any, help: str, choices: Optional[tuple] = None):
+    meta = {"help": help}
+    if choices is not None:
+        meta["choices"] = choices
+    return field(default=default, metadata=meta)
+
+
+GATE_NAMES = ("naive", "switch", "gshard", "hir", "ta_moe")  # built-ins; gates.register_gate adds more
+DISPATCH_NAMES = ("dropless", "capacity")
+ACTIVATIONS = ("gelu", "relu", "swiglu")
+SECOND_EXPERT_POLICIES = ("all", "random")
+
+
+@dataclass
+class MoEConfig:
+    # --- routing -------------------------------------------------------------------------------------------------
+    num_experts: int = _opt(8, "Total number of experts per MoE layer (over all expert-parallel ranks).")
+    top_k: int = _opt(2, "Experts chosen per token (switch forces 1, gshard forces 2).")
+    gate: str = _opt("gshard", "Gate: naive | switch | gshard | hir | ta_moe, or a name added with @register_gate.")
+    normalize_top_k: bool = _opt(True, "Renormalise the chosen experts' probabilities to sum to 1 (k > 1 only).")
+    jitter_eps: float = _opt(0.0, "Multiplicative jitter noise on the gate input in training, "
+                                  "x * U(1-eps, 1+eps) (Switch Transformer uses 1e-2); 0 disables.")
+    second_expert_policy: str = _opt("random", "gshard: 'random' keeps the 2nd expert with probability "
+                                               "2*p2 (GShard random routing); 'all' always keeps it.",
+                                     SECOND_EXPERT_POLICIES)
+    aux_loss_coeff: float = _opt(0.01, "Weight of the gate's balance loss (Switch/GShard/TA-MoE topology loss).")
+    z_loss_coeff: float = _opt(0.0, "Weight of the router z-loss mean(logsumexp(logits)^2) (ST-MoE); 0 disables.")
+    gate_fp32: bool = _opt(True, "Compute the gate's logits and softmax in fp32 whatever the model dtype.")
+    # --- dispatch ------------------------------------------------------------------------------------------------
+    dispatch: str = _opt("dropless", "Token dispatch: dropless (dynamic gating, no capacity, nothing dropped) or "
+                                     "capacity (GShard fixed per-expert capacity with drop and pad).",
+                         DISPATCH_NAMES)
+    capacity_factor: float = _opt(1.0, "capacity mode: per-expert capacity = ceil(CF * tokens * k / experts).")
+    eval_capacity_factor: float = _opt(0.0, "capacity mode, eval: capacity factor at inference; "
+                                            "0 = run dropless at inference (default).")
+    min_capacity: int = _opt(4, "capacity mode: lower bound of every expert's capacity.")
+    # --- experts -------------------------------------------------------------------------------------------------
+    expert_ffn_hidden_size: int = _opt(0, "FFN hidden size of each expert; 0 = the model's FFN hidden size.")
+    activation: str = _opt("gelu", "Expert activation: gelu | relu | swiglu.", ACTIVATIONS)
+    expert_bias: bool = _opt(False, "Give the experts' fc1/fc2 a bias.")
+    init_std: float = _opt(0.02, "Std of the normal init of expert and gate weights.")
+    # --- parallelism and topology --------------------------------------------------------------------------------
+    expert_parallel_size: int = _opt(1, "Ranks the experts are sharded over (the expert-parallel group size).")
+    world_size: int = _opt(0, "Ranks in the job; 0 = from the launcher (WORLD_SIZE), else 1.")
+    topology: str = _opt("", "Nested-list topology of the ranks, e.g. '[[0,1],[2,3]]' = 2 nodes x 2 devices; "
+                             "empty = from the launcher (WORLD_SIZE, LOCAL_WORLD_SIZE).")
+    topology_bandwidth_gbps: str = _opt("", "Comma list of bandwidths in GB/s per topology level, innermost "
+                                            "first (e.g. '100,12.5'); empty = defaults per level.")
+    topology_latency_us: str = _opt("", "Comma list of latencies in microseconds per topology level, innermost "
+                                        "first; empty = defaults per level.")
+    hir_budget_scale: float = _opt(1.0, "hir gate: multiplier on FasterMoE's cross-node token budget "
+                                        "L = W_net / (M * W_local) * B.")
+    ta_moe_smoothing: float = _opt(0.1, "ta_moe gate: weight of the uniform pattern mixed into the target "
+                                        "dispatch pattern (guards against expert isolation), in [0, 1].")
+    ta_moe_exchange_mb: float = _opt(64.0, "ta_moe gate: bytes (MB) a rank sends per all-to-all, used by the "
+                                           "alpha-beta model that derives the target dispatch pattern.")
+    # --- observability -------------------------------------------------------------------------------------------
+    trace_path: str = _opt("", "Write routing traces (per layer and step [source rank x expert] counts) here.")
+    trace_token_ids: bool = _opt(False, "Also record every token's expert ids in the trace (larger files).")
+
+    def __post_init__(self):
+        self._coerce_types()
+        self.validate()
+
+    # ------------------------------------------------------------------------------------------------------------
+    def _coerce_types(self):
+        """Accept strings from command lines (e.g. '8' for an int option) but reject what cannot be converted."""
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            typ = f.type if isinstance(f.type, type) else {"int": int, "float": float, "bool": bool, "str": str}[f.type]
+            if isinstance(v, typ) and not (typ is int and isinstance(v, bool)):
+                continue
+            try:
+                if typ is bool:
+                    if isinstance(v, str) and v.lower() in ("1", "true", "yes", "on", "0", "false", "no", "off"):
+                        v = v.lower() in ("1", "true", "yes", "on")
+                    elif isinstance(v, int):
+                        v = bool(v)
+                    else:
+                        raise ValueError
+                elif typ is int and isinstance(v, float) and not v.is_integer():
+                    raise ValueError
+                else:
+                    v = typ(v)
+            except (TypeError, ValueError):
+                raise ConfigError(f"{flag(f.name)}: expected {typ.__name__}, got {v!r}") from None
+            setattr(self, f.name, v)
+
+    def validate(self):
+        from .gates import registered_gates  # late import: gates import this module
+
+        def bad(name, msg):
+            raise ConfigError(f"{flag(name)}={getattr(self, name)!r}: {msg}")
+
+        if self.num_experts < 1:
+            bad("num_experts", "must be >= 1")
+        if self.gate not in registered_gates():
+            bad("gate", f"unknown gate; known: {', '.join(sorted(registered_gates()))}")
+        if self.top_k < 1:
+            bad("top_k", "must be >= 1")
+        if self.top_k > self.num_experts:
+            bad("top_k", f"cannot exceed --moe-num-experts={self.num_experts}")
+        if self.gate == "switch" and self.top_k != 1:
+            bad("top_k", "the switch gate routes each token to 1 expert; use --moe-top-k=1")
+        if self.gate in ("gshard",) and self.top_k != 2:
+            bad("top_k", "the gshard gate is top-2; use --moe-top-k=2 (or the naive gate for other k)")
+        for name in ("dispatch", "activation", "second_expert_policy"):
+            choices = _field(name).metadata["choices"]
+            if getattr(self, name) not in choices:
+                bad(name, f"must be one of {', '.join(choices)}")
+        if not self.capacity_factor > 0:
+            bad("capacity_factor", "must be > 0")
+        if self.eval_capacity_factor < 0:
+            bad("eval_capacity_factor", "must be >= 0 (0 = dropless at inference)")
+        if self.min_capacity < 0:
+            bad("min_capacity", "must be >= 0")
+        if self.jitter_eps < 0 or self.jitter_eps >= 1:
+            bad("jitter_eps", "must be in [0, 1)")
+        for name in ("aux_loss_coeff", "z_loss_coeff", "init_std", "ta_moe_exchange_mb"):
+            if getattr(self, name) < 0:
+                bad(name, "must be >= 0")
+        if not 0.0 <= self.ta_moe_smoothing <= 1.0:
+            bad("ta_moe_smoothing", "must be in [0, 1]")
+        if not self.hir_budget_scale > 0:
+            bad("hir_budget_scale", "must be > 0")
+        if self.expert_ffn_hidden_size < 0:
+            bad("expert_ffn_hidden_size", "must be >= 0")
+        if self.expert_parallel_size < 1:
+            bad("expert_parallel_size", "must be >= 1")
+        if self.num_experts % self.expert_parallel_size:
+            bad("num_experts", f"must be divisible by --moe-expert-parallel-size={self.expert_parallel_size}")
+        if self.world_size < 0:
+            bad("world_size", "must be >= 0")
+        world = self.resolved_world_size()
+        if world % self.expert_parallel_size:
+            bad("expert_parallel_size", f"must divide the world size {world}")
+        if self.gate in ("hir", "ta_moe") or self.topology:
+            try:
+                topo = self.build_topology()
+            except ValueError as e:
+                raise ConfigError(f"{flag('topology')}={self.topology!r}: {e}") from None
+            if topo.num_ranks != world:
+                bad("topology", f"describes {topo.num_ranks} ranks but the world size is {world}")
+
+    # ------------------------------------------------------------------------------------------------------------
+    def resolved_world_size(self) -> int:
+        return self.world_size or int(os.environ.get("WORLD_SIZE", "1"))
+
+    @property
+    def num_local_experts(self) -> int:
+        return self.num_experts // self.expert_parallel_size
+
+    def build_topology(self):
+        """The Topology of the job's ranks: from --moe-topology if given, else from the launcher's environment."""
+        from .topology import Topology
+
+        bw = _floats(self.topology_bandwidth_gbps, "topology_bandwidth_gbps")
+        lat = _floats(self.topology_latency_us, "topology_latency_us")
+        if self.topology:
+            return Topology.parse(self.topology, bandwidth_gbps=bw, latency_us=lat)
+        return Topology.from_env(world_size=self.resolved_world_size(), bandwidth_gbps=bw, latency_us=lat)
+
+    def replace(self, **changes) -> "MoEConfig":
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "MoEConfig":
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(d) - names
+        if unknown:
+            raise ConfigError(f"unknown MoE option(s): {', '.join(sorted(unknown))}")
+        return cls(**d)
+
+
+def flag(name: str) -> str:
+    """The command-line spelling of an option, as the adapters render it: --moe-<name-with-dashes>."""
+    return "--moe-" + name.replace("_", "-")
+
+
+def _field(name: str) -> dataclasses.Field:
+    return {f.name: f for f in dataclasses.fields(MoEConfig)}[name]
+
+
+def iter_options() -> Iterator[dict]:
+    """Name, type, default, help and choices of every option: what adapters render into trainer flags."""
+    for f in dataclasses.fields(MoEConfig):
+        typ = f.type if isinstance(f.type, type) else {"int": int, "float": float, "bool": bool, "str": str}[f.type]
+        yield {"name": f.name, "flag": flag(f.name), "type": typ, "default": f.default,
+               "help": f.metadata["help"], "choices": f.metadata.get("choices")}
+
+
+def _floats(text: str, name: str):
+    if not text:
+        return None
+    try:
+        vals = [float(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise ConfigError(f"{flag(name)}={text!r}: expected a comma-separated list of numbers") from None
+    if any(v <= 0 for v in vals) and name.startswith("topology_bandwidth"):
+        raise ConfigError(f"{flag(name)}={text!r}: bandwidths must be > 0")
+    if any(v < 0 for v in vals):
+        raise ConfigError(f"{flag(name)}={text!r}: values must be >= 0")
+    return vals

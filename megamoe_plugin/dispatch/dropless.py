@@ -1,0 +1,67 @@
+"""Dropless dispatch = dynamic gating (paper 004 §V): sort, exchange sizes, exchange exactly the tokens.
+
+1. One stable argsort of the T*k assignments by expert id (dropped assignments sort last and are cut off).
+2. With expert parallelism: one all-to-all of the per-expert counts, then the tokens with an all-to-all-v whose
+   splits are those counts; the received [source][expert] blocks are regrouped to [expert][source].
+3. The ExpertBank computes contiguous groups of exactly the received sizes: no capacity, no padding, nothing
+   dropped, no [tokens x experts x capacity] mask.
+4. Combine reverses the exchange and sums each token's k outputs weighted by the gate, by index.
+The only host synchronisation is one ``tolist`` of the counts (the all-to-all-v needs its split sizes on the host).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List, Optional, Tuple
+
+import torch
+
+from ..gates.base import Routing
+from ..parallel import ExpertParallel
+from .comm import all_to_all, return_to_sources, exchange_counts, gather_rows, regroup_index, weighted_combine
+
+
+@dataclass
+class _State:
+    position: torch.Tensor                 # [T, k] row of each assignment in the sorted buffer (n = dropped)
+    regroup: Optional[torch.Tensor] = None  # [n_recv] [source][expert] -> [expert][source]
+    in_splits: Optional[List[int]] = None
+    out_splits: Optional[List[int]] = None
+
+
+class DroplessDispatcher:
+    def __init__(self, num_experts: int, ep: ExpertParallel):
+        self.num_experts, self.ep = num_experts, ep
+        self.num_local_experts = num_experts // ep.size
+
+    def dispatch(self, x: torch.Tensor, routing: Routing) -> Tuple[torch.Tensor, List[int], _State]:
+        T, k = routing.expert_ids.shape
+        E, P, El = self.num_experts, self.ep.size, self.num_local_experts
+        flat = torch.where(routing.kept, routing.expert_ids, E).reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        if P == 1:
+            send_counts = routing.counts.tolist()
+            recv = None
+        else:
+            recv = exchange_counts(routing.counts, self.ep.group)
+            host = torch.cat([routing.counts, recv]).tolist()          # the one host sync of the layer
+            send_counts, recv_counts = host[:E], host[E:]
+        n = sum(send_counts)
+        order = order[:n]
+        position = torch.full((T * k,), n, dtype=torch.long, device=x.device)
+        position[order] = torch.arange(n, device=x.device)
+        rows = gather_rows(x, order // k)
+        if P == 1:
+            return rows, send_counts, _State(position.view(T, k))
+        in_splits = [sum(send_counts[r * El:(r + 1) * El]) for r in range(P)]
+        out_splits = [sum(recv_counts[s * El:(s + 1) * El]) for s in range(P)]
+        received = all_to_all(rows, out_splits, in_splits, self.ep.group)
+        regroup = regroup_index(recv.view(P, El), sum(out_splits))
+        tokens_per_expert = [sum(recv_counts[s * El + e] for s in range(P)) for e in range(El)]
+        return (gather_rows(received, regroup), tokens_per_expert,
+                _State(position.view(T, k), regroup, in_splits, out_splits))
+
+    def combine(self, expert_output: torch.Tensor, state: _State, routing: Routing) -> torch.Tensor:
+        y = expert_output
+        if state.regroup is not None:
+            y = return_to_sources(y, state.regroup, state.in_splits, state.out_splits, self.ep.group)
+        return weighted_combine(y, state.position, routing.weights)

@@ -1,0 +1,137 @@
+"""Routing (what every gate returns), the Gate base class and the GShard capacity drop rule.
+
+A gate maps tokens x[T, H] to a Routing: expert ids [T, k], combine weights [T, k], which of the T*k assignments
+survive (``kept``), per-expert kept counts, the dropped count, and its aux losses (already scaled by their
+coefficients). Subclasses implement ``select`` (which experts) and may override ``balance_loss``. The base class
+owns what all gates share: fp32 logits, Switch-style multiplicative jitter (paper: Switch Transformer §2.2),
+the router z-loss (ST-MoE), weight normalisation over the kept choices, and the capacity rule.
+
+Capacity rule (GShard §2.2, the rule of fairseq's moe branch and DeepSpeed): each expert e has ``capacity[e]``
+slots per source rank; assignments claim slots in priority order (all first choices in token order, then all
+second choices, ...); an assignment whose position is >= capacity[e] is dropped. Positions come from one stable
+argsort, so no dense [T, E] or [T, E, C] mask is built. Capacity is a per-expert list so that dynamic capacity
+(DynaMoE) can change it between steps.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from ..config import MoEConfig
+from ..parallel import ExpertParallel
+
+
+@dataclass
+class Routing:
+    expert_ids: torch.Tensor            # [T, k] long, global expert ids
+    weights: torch.Tensor               # [T, k] combine weights (0 where dropped)
+    kept: torch.Tensor                  # [T, k] bool
+    counts: torch.Tensor                # [E] long, kept assignments per expert (this rank's tokens)
+    dropped: torch.Tensor               # [] long, assignments dropped (capacity, random routing, no room)
+    aux_losses: Dict[str, torch.Tensor] = field(default_factory=dict)
+    slots: Optional[torch.Tensor] = None  # [T, k] long, position in the expert's capacity buffer (capacity mode)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.expert_ids.shape[0]
+
+    @property
+    def top_k(self) -> int:
+        return self.expert_ids.shape[1]
+
+    def aux_loss(self) -> torch.Tensor:
+        if not self.aux_losses:
+            return self.weights.new_zeros(())
+        return sum(self.aux_losses.values())
+
+
+class Gate(nn.Module):
+    """Linear router + shared machinery. Subclasses set ``top_k`` rules in ``select``."""
+
+    def __init__(self, cfg: MoEConfig, hidden_size: int, ep: Optional[ExpertParallel] = None, topology=None):
+        super().__init__()
+        self.cfg = cfg
+        self.num_experts = cfg.num_experts
+        self.top_k = cfg.top_k
+        self.ep = ep or ExpertParallel(None)
+        self.topology = topology
+        self.weight = nn.Parameter(torch.empty(cfg.num_experts, hidden_size))
+        nn.init.normal_(self.weight, std=cfg.init_std)
+
+    # --- to implement --------------------------------------------------------------------------------------------
+    def select(self, logits: torch.Tensor, probs: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Return (expert_ids [T, k] long, kept [T, k] bool) from fp32 logits and probabilities [T, E]."""
+        raise NotImplementedError
+
+    def balance_loss(self, probs: torch.Tensor, expert_ids: torch.Tensor, kept: torch.Tensor) -> torch.Tensor:
+        """Switch/GShard balance loss E * sum_e f_e * P_e with f_e the fraction of (pre-capacity) assignments."""
+        return self.num_experts * (assignment_fractions(expert_ids, kept, self.num_experts) * probs.mean(0)).sum()
+
+    # --- shared ------------------------------------------------------------------------------------------------
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training and self.cfg.jitter_eps > 0:
+            eps = self.cfg.jitter_eps
+            x = x * torch.empty_like(x).uniform_(1.0 - eps, 1.0 + eps)
+        if self.cfg.gate_fp32:
+            return F.linear(x.float(), self.weight.float())
+        return F.linear(x, self.weight)
+
+    def forward(self, x: torch.Tensor, capacity: Optional[Sequence[int]] = None) -> Routing:
+        logits = self.logits(x)
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+        ids, kept = self.select(logits, probs)
+        aux = {}
+        if self.training and self.cfg.aux_loss_coeff > 0 and x.shape[0] > 0:
+            aux["balance"] = self.cfg.aux_loss_coeff * self.balance_loss(probs, ids, kept)
+        if self.training and self.cfg.z_loss_coeff > 0 and x.shape[0] > 0:
+            aux["z"] = self.cfg.z_loss_coeff * torch.logsumexp(logits, dim=-1).square().mean()
+        slots = None
+        if capacity is not None:
+            kept, slots = apply_capacity(ids, kept, capacity)
+        weights = probs.gather(1, ids) * kept
+        if self.cfg.normalize_top_k and ids.shape[1] > 1:
+            weights = weights / weights.sum(-1, keepdim=True).clamp_min(1e-20)
+        counts = torch.bincount(torch.where(kept, ids, self.num_experts).reshape(-1),
+                                minlength=self.num_experts + 1)[: self.num_experts]
+        dropped = kept.numel() - kept.sum()
+        return Routing(ids, weights.to(x.dtype), kept, counts, dropped, aux, slots)
+
+
+def assignment_fractions(expert_ids: torch.Tensor, kept: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """f_e: fraction of the token's (kept) choices going to each expert, [E] float (no gradient)."""
+    flat = torch.where(kept, expert_ids, num_experts).reshape(-1)
+    counts = torch.bincount(flat, minlength=num_experts + 1)[:num_experts].float()
+    return counts / max(expert_ids.numel(), 1)
+
+
+def apply_capacity(expert_ids: torch.Tensor, kept: torch.Tensor, capacity: Sequence[int]
+                   ) -> Tuple[torch.Tensor, torch.Tensor]:
+    """GShard drop rule: return (kept, slot) where slot[t, j] is the assignment's position in its expert's buffer.
+
+    Priority: choice 0 of every token in token order, then choice 1, ... Already-unkept assignments claim no slot.
+    """
+    T, k = expert_ids.shape
+    num_experts = len(capacity)
+    cap = torch.tensor(list(capacity) + [0], dtype=torch.long, device=expert_ids.device)
+    flat = torch.where(kept, expert_ids, num_experts).t().reshape(-1)     # choice-major priority order
+    order = torch.argsort(flat, stable=True)
+    sorted_ids = flat[order]
+    counts = torch.bincount(flat, minlength=num_experts + 1)
+    starts = torch.cumsum(counts, 0) - counts
+    pos = torch.empty_like(flat)
+    pos[order] = torch.arange(flat.numel(), device=flat.device) - starts[sorted_ids]
+    new_kept = pos < cap[flat]
+    return new_kept.view(k, T).t() & kept, pos.view(k, T).t()
+
+
+def capacity_from_factor(factor: float, num_tokens: int, top_k: int, num_experts: int, min_capacity: int
+                         ) -> List[int]:
+    """Per-expert capacity ceil(factor * T * k / E), at least `min_capacity`, the same for every expert."""
+    import math
+
+    c = max(int(math.ceil(factor * num_tokens * top_k / num_experts)), min_capacity)
+    return [c] * num_experts

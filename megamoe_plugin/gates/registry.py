@@ -1,0 +1,38 @@
+"""The gate registry: ``@register_gate("name")`` makes a Gate subclass selectable by ``MoEConfig.gate``.
+
+Users extend it from their own code (import the module before building the config):
+
+    from megamoe_plugin.gates import Gate, register_gate
+
+    @register_gate("my_gate")
+    class MyGate(Gate):
+        def select(self, logits, probs): ...
+"""
+from __future__ import annotations
+
+from typing import Callable, Dict, Type
+
+_GATES: Dict[str, type] = {}
+
+
+def register_gate(name: str) -> Callable[[Type], Type]:
+    def deco(cls):
+        if name in _GATES and _GATES[name] is not cls:
+            raise ValueError(f"gate {name!r} is already registered by {_GATES[name].__qualname__}")
+        _GATES[name] = cls
+        cls.gate_name = name
+        return cls
+
+    return deco
+
+
+def registered_gates() -> Dict[str, type]:
+    return dict(_GATES)
+
+
+def build_gate(cfg, hidden_size: int, ep=None, topology=None):
+    try:
+        cls = _GATES[cfg.gate]
+    except KeyError:
+        raise ValueError(f"--moe-gate={cfg.gate!r}: unknown gate; known: {', '.join(sorted(_GATES))}") from None
+    return cls(cfg, hidden_size, ep=ep, topology=topology)

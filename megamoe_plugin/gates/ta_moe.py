@@ -1,0 +1,97 @@
+"""TA-MoE's topology-aware auxiliary loss (paper 002 §4; ../shared/notes/ta-moe-loss.md) on a top-k gate.
+
+Derivation of the target dispatch pattern c_hat from a Topology (neither the paper copy nor the released code
+gives it in full; this is ours, following the paper's alpha-beta model):
+
+1. Cost model (Eq. 2). Source rank i sends x_ij bytes to rank j in one exchange; the delivery takes
+   alpha_ij + beta_ij * x_ij (alpha, beta = 1/bandwidth of the pair's topology level). The exchange ends with its
+   slowest delivery, so rank i minimises max_j (alpha_ij + beta_ij * x_ij) subject to sum_j x_ij = D (Eq. 3).
+2. The optimum equalises the finish times of all used links ("water filling"): x_ij = max(0, (tau_i -
+   alpha_ij) / beta_ij) with tau_i chosen so that the x_ij sum to D. We solve it exactly by bisection on tau.
+   Without latency this is x_ij proportional to the link's bandwidth.
+3. The rank's own expert(s) need no link, so the model puts no price on them; Eq. 4 (every expert receives a
+   balanced total) fixes their share at the balanced 1/P, and the remaining (P-1)/P is water-filled over the
+   other ranks. D = ``ta_moe_exchange_mb`` * (P-1)/P.
+4. Eq. 4 for asymmetric trees: Sinkhorn iterations make the matrix doubly stochastic (rows: what each source
+   sends, columns: what each destination receives) while keeping its shape. Symmetric trees are unchanged.
+5. Expert isolation (§4.2): c_hat = (1 - s) * c + s * uniform with s = ``ta_moe_smoothing``, so no expert is
+   starved even behind a very slow link.
+
+On [[0,1],[2,3]] with a 4:1 bandwidth ratio and no latency this gives row (1/4, 1/2, 1/8, 1/8): exactly the
+paper's "uneven" pattern of Table 1.
+
+The loss (the authors' release, reweighted GShard loss): for source rank i with fractions f_e of its token
+choices and mean probabilities m_e, ``loss = E * sum_e w_e * f_e * m_e`` with w_e = (1/E) / c_hat_ie, where
+c_hat_ie = c_hat_i,rank(e) / (experts per rank). Its balance point is f_e proportional to c_hat_ie (a GShard
+loss is balanced when w_e * f_e is equal across experts); with a uniform c_hat it is exactly the GShard loss.
+"""
+from __future__ import annotations
+
+import torch
+
+from .base import Gate, assignment_fractions
+from .registry import register_gate
+
+
+def target_dispatch_pattern(topology, exchange_bytes: float = 64e6, smoothing: float = 0.0,
+                            sinkhorn_iters: int = 50) -> torch.Tensor:
+    """c_hat [P, P] float64: fraction of source i's dispatched tokens that should go to rank j (rows sum to 1)."""
+    P = topology.num_ranks
+    if P == 1:
+        return torch.ones(1, 1, dtype=torch.float64)
+    alpha = topology.latency_matrix()
+    beta = 1.0 / topology.bandwidth_matrix()                      # 0 on the diagonal (no link)
+    remote_bytes = exchange_bytes * (P - 1) / P
+    c = torch.zeros(P, P, dtype=torch.float64)
+    for i in range(P):                                            # P is the rank count, not tokens
+        others = [j for j in range(P) if j != i]
+        x = _water_fill(alpha[i, others], beta[i, others], remote_bytes)
+        c[i, others] = x / exchange_bytes
+        c[i, i] = 1.0 / P
+    for _ in range(sinkhorn_iters):
+        c = c / c.sum(1, keepdim=True)
+        c = c / c.sum(0, keepdim=True)
+    c = c / c.sum(1, keepdim=True)
+    return (1.0 - smoothing) * c + smoothing / P
+
+
+def _water_fill(alpha: torch.Tensor, beta: torch.Tensor, total: float) -> torch.Tensor:
+    """x >= 0 with sum(x) = total minimising max(alpha + beta * x) over the links that carry data."""
+    def sent(tau):
+        return torch.clamp((tau - alpha) / beta, min=0.0)
+
+    lo, hi = float(alpha.min()), float((alpha + beta * total).max())
+    for _ in range(200):
+        mid = 0.5 * (lo + hi)
+        if float(sent(mid).sum()) < total:
+            lo = mid
+        else:
+            hi = mid
+    x = sent(hi)
+    return x * (total / x.sum())
+
+
+@register_gate("ta_moe")
+class TopologyAwareGate(Gate):
+    """Top-k gate whose balance loss steers the dispatch pattern toward c_hat (the topology's optimum)."""
+
+    def __init__(self, cfg, hidden_size, ep=None, topology=None):
+        super().__init__(cfg, hidden_size, ep=ep, topology=topology)
+        topo = topology or cfg.build_topology()
+        self.topology = topo
+        pattern = target_dispatch_pattern(topo, cfg.ta_moe_exchange_mb * 1e6, cfg.ta_moe_smoothing)
+        per_rank = cfg.num_experts // self.ep.size
+        me = self.ep.global_rank_of(self.ep.rank)
+        dest = [self.ep.global_rank_of(e // per_rank) for e in range(cfg.num_experts)]
+        row = pattern[me, dest]                                   # restricted to the EP group's ranks
+        target = (row / row.sum()).float()                        # c_hat_ie: fraction per expert, sums to 1
+        self.register_buffer("target", target, persistent=False)
+        self.register_buffer("loss_weight", (1.0 / cfg.num_experts) / target, persistent=False)
+
+    def select(self, logits, probs):
+        ids = torch.topk(probs, self.top_k, dim=-1).indices
+        return ids, torch.ones_like(ids, dtype=torch.bool)
+
+    def balance_loss(self, probs, expert_ids, kept):
+        f = assignment_fractions(expert_ids, kept, self.num_experts)
+        return self.num_experts * (self.loss_weight * f * probs.mean(0)).sum()

@@ -1,0 +1,152 @@
+"""Per-call MoE statistics (StatsSink) and routing traces (TraceRecorder / load_trace).
+
+StatsSink: every MoELayer call records its per-expert kept counts and dropped count as device tensors (no host
+sync on the hot path). ``summary()`` (called by the trainer at log intervals, on every rank of the group when a
+group is given) reduces them and returns, per layer: tokens per expert, dropped fraction, FlexMoE's balance ratio
+(paper 001 Eq. 6: max over devices of the device's load over the mean device load, with the expert->rank
+placement) and the expert-level max/mean load. Adapters forward these to their loggers.
+
+Routing traces: per layer and step, the [source rank x expert] token counts, optionally every token's expert
+ids. Each rank writes its own shard (no collective needed); ``load_trace`` merges the shards.
+Schema of a shard (``torch.save`` dict, ``schema = "megamoe-trace/1"``):
+    rank, world_size, num_experts, top_k, layers (list of layer ids)
+    steps: LongTensor [S]                      training step of each record row
+    counts: IntTensor [S, L, E]                this rank's kept tokens per expert
+    token_ids: list (len S) of list (len L) of ShortTensor/IntTensor [T, k] (only with token ids; -1 = dropped)
+``load_trace(path)`` returns a dict with the same keys but ``counts`` [S, L, P, E] (source rank x expert).
+"""
+from __future__ import annotations
+
+import glob
+import os
+from collections import defaultdict
+from typing import Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+
+TRACE_SCHEMA = "megamoe-trace/1"
+
+
+class StatsSink:
+    def __init__(self):
+        self._counts: Dict[int, torch.Tensor] = {}
+        self._dropped: Dict[int, torch.Tensor] = {}
+        self._assignments: Dict[int, int] = defaultdict(int)
+        self._calls: Dict[int, int] = defaultdict(int)
+        self.last: Dict[int, torch.Tensor] = {}
+        self.listeners = []          # callables(layer_id, routing) e.g. a TraceRecorder
+
+    def record(self, layer_id: int, routing) -> None:
+        c = routing.counts.detach()
+        self.last[layer_id] = c
+        self._counts[layer_id] = self._counts[layer_id] + c if layer_id in self._counts else c.clone()
+        d = routing.dropped.detach()
+        self._dropped[layer_id] = self._dropped[layer_id] + d if layer_id in self._dropped else d.clone()
+        self._assignments[layer_id] += routing.expert_ids.numel()
+        self._calls[layer_id] += 1
+        for fn in self.listeners:
+            fn(layer_id, routing)
+
+    def reset(self) -> None:
+        self._counts.clear(); self._dropped.clear(); self._assignments.clear(); self._calls.clear()
+
+    def summary(self, group=None, ranks_of_experts: Optional[List[int]] = None, reset: bool = True) -> Dict[int, dict]:
+        """Per-layer statistics since the last reset. With `group`, counts are summed over its ranks
+        (collective: every rank of the group must call it). `ranks_of_experts[e]` is the rank holding expert e
+        (default: contiguous blocks over the group); it defines the devices of the balance ratio."""
+        out = {}
+        for layer_id in sorted(self._counts):
+            counts = self._counts[layer_id].double()
+            extra = torch.tensor([float(self._dropped[layer_id]), float(self._assignments[layer_id])],
+                                 dtype=torch.float64, device=counts.device)
+            world = 1
+            if group is not None and dist.is_initialized():
+                both = torch.cat([counts, extra])
+                dist.all_reduce(both, group=group)
+                counts, extra = both[:-2], both[-2:]
+                world = dist.get_world_size(group)
+            E = counts.numel()
+            owner = ranks_of_experts or [e * world // E for e in range(E)]
+            device_load = torch.zeros(max(owner) + 1, dtype=torch.float64).index_add_(
+                0, torch.tensor(owner), counts.cpu())
+            total = float(counts.sum())
+            out[layer_id] = {
+                "tokens_per_expert": counts.long().tolist(),
+                "dropped_fraction": float(extra[0]) / max(float(extra[1]), 1.0),
+                "balance_ratio": float(device_load.max() / device_load.mean()) if total > 0 else 1.0,
+                "expert_max_over_mean": float(counts.max() / counts.mean()) if total > 0 else 1.0,
+                "calls": self._calls[layer_id],
+            }
+        if reset:
+            self.reset()
+        return out
+
+
+class TraceRecorder:
+    """Collects per-layer counts (and optionally token ids) per step; ``flush`` writes this rank's shard."""
+
+    def __init__(self, path: str, rank: int = 0, world_size: int = 1, num_experts: int = 0, top_k: int = 0,
+                 token_ids: bool = False):
+        self.path, self.rank, self.world_size = path, rank, world_size
+        self.num_experts, self.top_k, self.with_token_ids = num_experts, top_k, token_ids
+        self.step = 0
+        self._rows: Dict[int, Dict[int, torch.Tensor]] = defaultdict(dict)
+        self._ids: Dict[int, Dict[int, torch.Tensor]] = defaultdict(dict)
+
+    def __call__(self, layer_id: int, routing) -> None:
+        row = self._rows[self.step]
+        c = routing.counts.detach().to("cpu", torch.int32)
+        row[layer_id] = row[layer_id] + c if layer_id in row else c      # several micro-batches add up
+        if self.with_token_ids:
+            ids = torch.where(routing.kept, routing.expert_ids, -1).detach().cpu()
+            ids = ids.to(torch.int16 if self.num_experts < 32767 else torch.int32)
+            prev = self._ids[self.step].get(layer_id)
+            self._ids[self.step][layer_id] = ids if prev is None else torch.cat([prev, ids])
+
+    def next_step(self, step: Optional[int] = None) -> None:
+        self.step = self.step + 1 if step is None else step
+
+    def shard_path(self) -> str:
+        return f"{self.path}.rank{self.rank}"
+
+    def flush(self) -> Optional[str]:
+        if not self._rows:
+            return None
+        steps = sorted(self._rows)
+        layers = sorted({l for s in steps for l in self._rows[s]})
+        E = self.num_experts or next(iter(self._rows[steps[0]].values())).numel()
+        counts = torch.zeros(len(steps), len(layers), E, dtype=torch.int32)
+        for i, s in enumerate(steps):
+            for j, l in enumerate(layers):
+                if l in self._rows[s]:
+                    counts[i, j] = self._rows[s][l]
+        data = {"schema": TRACE_SCHEMA, "rank": self.rank, "world_size": self.world_size, "num_experts": E,
+                "top_k": self.top_k, "layers": layers, "steps": torch.tensor(steps), "counts": counts}
+        if self.with_token_ids:
+            data["token_ids"] = [[self._ids[s].get(l) for l in layers] for s in steps]
+        os.makedirs(os.path.dirname(os.path.abspath(self.shard_path())), exist_ok=True)
+        torch.save(data, self.shard_path())
+        return self.shard_path()
+
+
+def load_trace(path: str) -> dict:
+    """Merge the per-rank shards ``<path>.rank<r>`` into counts [S, L, P, E] (source rank x expert)."""
+    shards = sorted(glob.glob(glob.escape(path) + ".rank*"), key=lambda p: int(p.rsplit("rank", 1)[1]))
+    if not shards:
+        raise FileNotFoundError(f"no trace shards {path}.rank*")
+    parts = [torch.load(p, weights_only=False) for p in shards]
+    for p in parts:
+        if p.get("schema") != TRACE_SCHEMA:
+            raise ValueError(f"{path}: unknown trace schema {p.get('schema')!r}")
+    first = parts[0]
+    if len(parts) != first["world_size"]:
+        raise ValueError(f"{path}: {len(parts)} shard(s) found, world size {first['world_size']}")
+    for p in parts[1:]:
+        if p["layers"] != first["layers"] or not torch.equal(p["steps"], first["steps"]):
+            raise ValueError(f"{path}: shards disagree on layers or steps")
+    out = {k: first[k] for k in ("schema", "world_size", "num_experts", "top_k", "layers", "steps")}
+    out["counts"] = torch.stack([p["counts"] for p in parts], dim=2)
+    if "token_ids" in first:
+        out["token_ids"] = [p["token_ids"] for p in parts]                   # [P][S][L]
+    return out
