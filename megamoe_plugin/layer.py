@@ -69,6 +69,15 @@ class MoELayer(nn.Module):
         factor = cfg.capacity_factor if self.training else cfg.eval_capacity_factor
         return capacity_from_factor(factor, num_tokens, cfg.top_k, cfg.num_experts, cfg.min_capacity)
 
+    def _source_capacities(self, num_tokens: int, device) -> Optional[List[List[int]]]:
+        """Capacity vector of every rank of the expert-parallel group (None when fixed, hence equal)."""
+        if not self.ep.enabled or self.expert_capacity is not None:
+            return None
+        mine = torch.tensor([num_tokens], device=device)
+        parts = [torch.empty_like(mine) for _ in range(self.ep.size)]
+        torch.distributed.all_gather(parts, mine, group=self.ep.group)
+        return [self.capacity_for(t) for t in torch.cat(parts).tolist()]
+
     # --- forward -------------------------------------------------------------------------------------------------
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -81,7 +90,8 @@ class MoELayer(nn.Module):
             expert_in, tokens_per_expert, state = self.dropless.dispatch(tokens, routing)
             dispatcher = self.dropless
         else:
-            expert_in, tokens_per_expert, state = self.capacity_dispatch.dispatch(tokens, routing, capacity)
+            expert_in, tokens_per_expert, state = self.capacity_dispatch.dispatch(
+                tokens, routing, capacity, self._source_capacities(tokens.shape[0], tokens.device))
             dispatcher = self.capacity_dispatch
         expert_out = self.experts(expert_in, tokens_per_expert)
         y = dispatcher.combine(expert_out, state, routing)

@@ -25,6 +25,16 @@ class ExpertParallel:
         else:
             self.global_ranks = [dist.get_rank() if distributed else 0]
 
+    @classmethod
+    def layout(cls, rank: int, global_ranks: List[int]) -> "ExpertParallel":
+        """A group described by its layout only (no process group): for gates and planners that need to know
+        where experts live, e.g. to evaluate rank `rank`'s routing offline. Dispatchers refuse it."""
+        ep = cls(None)
+        ep.rank, ep.size, ep.global_ranks, ep.layout_only = rank, len(global_ranks), list(global_ranks), True
+        return ep
+
+    layout_only = False
+
     @property
     def enabled(self) -> bool:
         return self.size > 1

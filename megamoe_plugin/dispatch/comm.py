@@ -67,7 +67,7 @@ def weighted_combine(rows: torch.Tensor, index: torch.Tensor, weights: torch.Ten
     picked = gather_rows(padded, index.reshape(-1))
     if k == 1:
         return picked * weights
-    return (picked.view(T, k, -1) * weights.unsqueeze(-1)).sum(1)
+    return (picked.view(T, k, rows.shape[1]) * weights.unsqueeze(-1)).sum(1)
 
 
 def regroup_index(counts: torch.Tensor, total: int) -> torch.Tensor:

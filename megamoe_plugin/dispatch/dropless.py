@@ -30,6 +30,8 @@ class _State:
 
 class DroplessDispatcher:
     def __init__(self, num_experts: int, ep: ExpertParallel):
+        if ep.layout_only and ep.size > 1:
+            raise ValueError("dispatch needs a real expert-parallel process group, not a layout-only description")
         self.num_experts, self.ep = num_experts, ep
         self.num_local_experts = num_experts // ep.size
 

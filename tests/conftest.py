@@ -1,0 +1,46 @@
+"""Shared test helpers: a naive per-token reference of the MoE layer and a gloo multi-process launcher."""
+import os
+import sys
+import tempfile
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def reference_moe(x2d, routing, bank):
+    """Each token through each of its kept experts in a Python loop, weighted by the gate weights."""
+    out = []
+    for t in range(x2d.shape[0]):
+        acc = torch.zeros_like(x2d[t])
+        for j in range(routing.top_k):
+            if bool(routing.kept[t, j]):
+                e = int(routing.expert_ids[t, j])
+                h = x2d[t] @ bank.w1[e] + (bank.b1[e] if bank.b1 is not None else 0)
+                if bank.activation == "swiglu":
+                    g, u = h.chunk(2)
+                    a = F.silu(g) * u
+                else:
+                    a = F.gelu(h) if bank.activation == "gelu" else F.relu(h)
+                acc = acc + routing.weights[t, j] * (a @ bank.w2[e] + (bank.b2[e] if bank.b2 is not None else 0))
+        out.append(acc)
+    return torch.stack(out) if out else x2d[:0] * 0
+
+
+def _entry(rank, world, init_file, fn, args):
+    import torch.distributed as dist
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        fn(rank, world, *args)
+    finally:
+        dist.destroy_process_group()
+
+
+def run_distributed(fn, world_size, *args):
+    """Run fn(rank, world_size, *args) in `world_size` real gloo processes; any failure fails the test."""
+    import torch.multiprocessing as mp
+    with tempfile.TemporaryDirectory() as d:
+        mp.spawn(_entry, args=(world_size, os.path.join(d, "init"), fn, args), nprocs=world_size, join=True)

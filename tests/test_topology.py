@@ -1,0 +1,52 @@
+"""Topology parsing, levels, launcher defaults, and TA-MoE's target dispatch pattern."""
+import pytest
+import torch
+
+from megamoe_plugin import Topology
+from megamoe_plugin.gates import target_dispatch_pattern
+
+
+def test_levels_and_nodes():
+    t = Topology.parse("[[0,1],[2,3]]")
+    assert t.depth == 2 and t.num_ranks == 4
+    assert t.level_matrix().tolist() == [[0, 1, 2, 2], [1, 0, 2, 2], [2, 2, 0, 1], [2, 2, 1, 0]]
+    assert t.node_ids() == [0, 0, 1, 1] and t.ranks_per_node(3) == 2
+    t3 = Topology.parse("[[[0,1],[2,3]],[[4,5]]]")
+    assert t3.level(0, 2) == 2 and t3.level(0, 4) == 3 and t3.level(4, 5) == 1
+    assert t3.node_ids() == [0, 0, 1, 1, 2, 2]
+    bw = t.bandwidth_matrix()
+    assert bw[0, 1] == 100e9 and bw[0, 2] == 12.5e9 and torch.isinf(bw[0, 0])
+
+
+def test_from_env_layouts(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    assert Topology.from_env().spec() == "[[0,1,2,3],[4,5,6,7]]"
+    assert Topology.from_env(world_size=3, local_world_size=3).spec() == "[0,1,2]"
+    with pytest.raises(ValueError, match="LOCAL_WORLD_SIZE"):
+        Topology.from_env(world_size=6, local_world_size=4)
+
+
+@pytest.mark.parametrize("bad", ["[[0,1],[1,2]]", "[[0,2],[3,4]]", "[[0],[1,[2]]]", "[[]]", "[[0,1.5]]", "7"])
+def test_bad_specs(bad):
+    with pytest.raises(ValueError):
+        Topology.parse(bad)
+
+
+def test_target_pattern_reproduces_ta_moe_table_1():
+    # [[0,1],[0^,1^]], intra/inter bandwidth 4:1, latency negligible: the paper's uneven pattern (1/4,1/2,1/8,1/8)
+    t = Topology.parse("[[0,1],[2,3]]", bandwidth_gbps=[4, 1], latency_us=[0, 0])
+    c = target_dispatch_pattern(t, smoothing=0.0)
+    assert torch.allclose(c[0], torch.tensor([0.25, 0.5, 0.125, 0.125], dtype=torch.float64), atol=1e-9)
+
+
+def test_target_pattern_properties():
+    t = Topology.parse("[[[0,1],[2,3]],[[4,5]]]", bandwidth_gbps=[50, 10, 2], latency_us=[1, 5, 20])
+    c = target_dispatch_pattern(t, exchange_bytes=8e6, smoothing=0.0)
+    assert torch.allclose(c.sum(1), torch.ones(6, dtype=torch.float64))          # Eq. 3
+    assert torch.allclose(c.sum(0), torch.ones(6, dtype=torch.float64), atol=1e-6)  # Eq. 4 (balanced experts)
+    assert c[0, 1] > c[0, 2] > c[0, 4]                                           # faster links carry more
+    smoothed = target_dispatch_pattern(t, exchange_bytes=8e6, smoothing=0.5)
+    assert smoothed.min() >= 0.5 / 6 - 1e-12                                      # no expert isolated
+    homogeneous = target_dispatch_pattern(Topology.parse("[0,1,2,3]"), smoothing=0.0)
+    assert torch.allclose(homogeneous, torch.full((4, 4), 0.25, dtype=torch.float64))
