@@ -68,7 +68,7 @@ class StatsSink:
                 world = dist.get_world_size(group)
             E = counts.numel()
             owner = ranks_of_experts or [e * world // E for e in range(E)]
-            device_load = torch.zeros(max(owner) + 1, dtype=torch.float64).index_add_(
+            device_load = torch.zeros(max(max(owner) + 1, world), dtype=torch.float64).index_add_(
                 0, torch.tensor(owner), counts.cpu())
             total = float(counts.sum())
             out[layer_id] = {
@@ -132,7 +132,8 @@ class TraceRecorder:
 
 def load_trace(path: str) -> dict:
     """Merge the per-rank shards ``<path>.rank<r>`` into counts [S, L, P, E] (source rank x expert)."""
-    shards = sorted(glob.glob(glob.escape(path) + ".rank*"), key=lambda p: int(p.rsplit("rank", 1)[1]))
+    shards = [p for p in glob.glob(glob.escape(path) + ".rank*") if p.rsplit(".rank", 1)[1].isdigit()]
+    shards.sort(key=lambda p: int(p.rsplit(".rank", 1)[1]))
     if not shards:
         raise FileNotFoundError(f"no trace shards {path}.rank*")
     parts = [torch.load(p, weights_only=False) for p in shards]
@@ -142,7 +143,11 @@ def load_trace(path: str) -> dict:
     first = parts[0]
     if len(parts) != first["world_size"]:
         raise ValueError(f"{path}: {len(parts)} shard(s) found, world size {first['world_size']}")
+    if [p["rank"] for p in parts] != list(range(len(parts))):
+        raise ValueError(f"{path}: shards of ranks {[p['rank'] for p in parts]}, expected 0..{len(parts) - 1}")
     for p in parts[1:]:
+        if (p["world_size"], p["num_experts"]) != (first["world_size"], first["num_experts"]):
+            raise ValueError(f"{path}: shards disagree on world size or expert count")
         if p["layers"] != first["layers"] or not torch.equal(p["steps"], first["steps"]):
             raise ValueError(f"{path}: shards disagree on layers or steps")
     out = {k: first[k] for k in ("schema", "world_size", "num_experts", "top_k", "layers", "steps")}

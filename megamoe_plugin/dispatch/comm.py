@@ -3,8 +3,8 @@
 - ``all_to_all(x, out_splits, in_splits, group)``: all-to-all-v of rows; its backward is the reverse exchange.
   Works on any torch.distributed backend with ``all_to_all_single`` (gloo on CPU, NCCL on GPU).
 - ``gather_rows(x, index)``: x[index] whose backward adds gradients back with one ``index_add_`` (no dense masks).
-- ``weighted_combine(rows, index, weights)``: y[t] = sum_j weights[t, j] * rows[index[t, j]]; index == len(rows)
-  means "nothing" (a dropped assignment), served by an appended zero row.
+- ``weighted_combine(rows, index, weights)``: y[t] = sum_j weights[t, j] * rows[index[t, j]] (dropped
+  assignments have weight 0).
 """
 from __future__ import annotations
 
@@ -62,12 +62,15 @@ def gather_rows(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
 
 
 def weighted_combine(rows: torch.Tensor, index: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """y[t] = sum_j weights[t, j] * rows[index[t, j]]. Dropped assignments carry weight 0 and any index >=
+    len(rows); they are pointed at row 0 (0 * row adds nothing, and their weight has no gradient path)."""
     T, k = index.shape
-    padded = torch.cat([rows, rows.new_zeros(1, rows.shape[1])])
-    picked = gather_rows(padded, index.reshape(-1))
+    if rows.shape[0] == 0:
+        return rows.new_zeros(T, rows.shape[1]) + 0 * (rows.sum() + weights.sum())   # keep the graph
+    picked = gather_rows(rows, index.reshape(-1).clamp(max=rows.shape[0] - 1))
     if k == 1:
         return picked * weights
-    return (picked.view(T, k, rows.shape[1]) * weights.unsqueeze(-1)).sum(1)
+    return torch.bmm(weights.unsqueeze(1), picked.view(T, k, rows.shape[1])).squeeze(1)
 
 
 def regroup_index(counts: torch.Tensor, total: int) -> torch.Tensor:

@@ -1,0 +1,309 @@
+"""`megamoe bench layer`: one process, identical inputs, forward+backward time of MoE layer implementations.
+
+Implementations (all compute the same function of the same x, router weight and expert weights):
+- ``ours dropless``: MoELayer, dynamic gating (argsort + contiguous groups, no capacity).
+- ``ours capacity CF=c``: MoELayer in capacity mode (GShard drop rule, padded per-expert buffers).
+- ``megatron-core``: megatron-core's own MoELayer (dropless, alltoall dispatcher, SequentialMLP), built on CPU
+  with the plugin's shims (skipped with a note if megatron-core is not installed).
+- ``gshard einsum CF=c``: GShard-style static dispatch with a dense [T, E, C] mask and einsums (what fairseq's moe
+  branch and DeepSpeed-MoE do), written here for the comparison.
+- ``GEMM floor``: only the experts' own computation (fc1 -> activation -> fc2, one autograd graph per expert) on
+  pre-sorted contiguous token groups of exactly the sizes the router produced: no gate, no permutation.
+- ``dense MLP``: the dense MLP with the same FLOPs (T tokens, hidden k*F).
+
+Routing: ``balanced`` draws each token's preferred expert uniformly, ``skewed`` from a Zipf(1.2) popularity;
+inputs are noise plus a direction of the preferred expert's router row, so the router (a real softmax top-k
+over x @ Wg^T) sends most tokens where the draw says. Times are medians over ``--repeat`` runs after a warm-up;
+dispatch-buffer bytes are analytic (the token buffers and masks each implementation allocates to move tokens to
+experts, not counting the expert activations every implementation shares).
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+import time
+from typing import Callable, Dict, List, Optional
+
+import torch
+import torch.nn.functional as F
+
+from ..config import MoEConfig
+from ..layer import MoELayer
+
+CONFIGS = {
+    "1": dict(H=512, F=2048, E=8, k=2, T=4096),
+    "2": dict(H=256, F=1024, E=32, k=2, T=8192),
+    "3": dict(H=512, F=1024, E=64, k=1, T=8192),
+    "tiny": dict(H=64, F=128, E=8, k=2, T=512),
+}
+
+
+def make_inputs(H, F, E, k, T, routing: str, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    if routing == "skewed":
+        pop = 1.0 / torch.arange(1, E + 1, dtype=torch.float64) ** 1.2
+    else:
+        pop = torch.ones(E, dtype=torch.float64)
+    pref = torch.multinomial(pop / pop.sum(), T, replacement=True, generator=g)
+    wg = torch.randn(E, H, generator=g) / math.sqrt(H)
+    x = torch.randn(T, H, generator=g) + 3.0 * wg[pref] * math.sqrt(H) / wg.norm(dim=1, keepdim=True)[pref]
+    w1 = torch.randn(E, H, F, generator=g) * 0.02
+    w2 = torch.randn(E, F, H, generator=g) * 0.02
+    return x, wg, w1, w2
+
+
+def route(x, wg, k):
+    probs = torch.softmax(x @ wg.t(), -1)
+    top = torch.topk(probs, k, -1)
+    w = top.values / top.values.sum(-1, keepdim=True) if k > 1 else top.values
+    return top.indices, w
+
+
+# --- implementations: each returns a callable running one forward+backward, and its dispatch-buffer bytes --------
+def ours(x, wg, w1, w2, k, dispatch="dropless", cf=1.0):
+    E, H, F_ = w1.shape
+    cfg = MoEConfig(num_experts=E, top_k=k, gate="naive", dispatch=dispatch, capacity_factor=cf, min_capacity=0,
+                    aux_loss_coeff=0.0)
+    layer = MoELayer(cfg, H, F_)
+    with torch.no_grad():
+        layer.gate.weight.copy_(wg); layer.experts.w1.copy_(w1); layer.experts.w2.copy_(w2)
+    xin = x.clone().requires_grad_()
+    grad = torch.ones_like(x)
+
+    def step():
+        for p in layer.parameters():
+            p.grad = None
+        xin.grad = None
+        layer(xin).backward(grad)
+
+    T = x.shape[0]
+    if dispatch == "dropless":
+        rows = T * k
+    else:
+        rows = E * max(int(math.ceil(cf * T * k / E)), 0)
+    # token buffer sent to experts + the same rows gathered back for the combine; index vectors (int64)
+    nbytes = 2 * rows * H * 4 + 3 * T * k * 8
+    return step, nbytes, layer
+
+
+def megatron(x, wg, w1, w2, k):
+    from ..megatron.peer import build_megatron_moe_layer, load_expert_weights, load_router_weight
+
+    E, H, F_ = w1.shape
+    layer = build_megatron_moe_layer(H, F_, E, k)
+    load_expert_weights(layer, w1, w2)
+    load_router_weight(layer, wg)
+    xin = x.clone().view(x.shape[0], 1, H).requires_grad_()
+    grad = torch.ones_like(xin)
+
+    def step():
+        for p in layer.parameters():
+            p.grad = None
+        xin.grad = None
+        out, _ = layer(xin)
+        out.backward(grad)
+
+    T = x.shape[0]
+    # routing map [T, E] bool + probs [T, E] fp32, permuted tokens [T*k, H] out and back
+    nbytes = T * E * (1 + 4) + 2 * T * k * H * 4
+    return step, nbytes, layer
+
+
+def gshard_einsum(x, wg, w1, w2, k, cf):
+    E, H, F_ = w1.shape
+    T = x.shape[0]
+    C = max(int(math.ceil(cf * T * k / E)), 1)
+    wg_, w1_, w2_ = (t.clone().requires_grad_() for t in (wg, w1, w2))
+    xin = x.clone().requires_grad_()
+    grad = torch.ones_like(x)
+
+    def forward(xv):
+        probs = torch.softmax(xv @ wg_.t(), -1)
+        top = torch.topk(probs, k, -1)
+        gates = top.values / top.values.sum(-1, keepdim=True) if k > 1 else top.values
+        combine = xv.new_zeros(T, E, C)
+        taken = torch.zeros(E, dtype=torch.long)
+        for j in range(k):                               # GShard: first choices claim slots first
+            mask = F.one_hot(top.indices[:, j], E)       # [T, E]
+            loc = torch.cumsum(mask, 0) - 1 + taken      # position of each token in its expert
+            taken = taken + mask.sum(0)
+            keep = (loc < C) & (mask > 0)
+            slot = F.one_hot(loc.clamp(0, C - 1), C) * keep.unsqueeze(-1)   # [T, E, C]
+            combine = combine + gates[:, j, None, None] * slot
+        dispatch = (combine > 0).to(xv.dtype)
+        expert_in = torch.einsum("tec,th->ech", dispatch, xv)
+        h = F.gelu(torch.einsum("ech,ehf->ecf", expert_in, w1_))
+        out = torch.einsum("ecf,efh->ech", h, w2_)
+        return torch.einsum("tec,ech->th", combine, out)
+
+    def step():
+        for p in (wg_, w1_, w2_, xin):
+            p.grad = None
+        forward(xin).backward(grad)
+
+    nbytes = 2 * T * E * C * 4 + 2 * E * C * H * 4     # combine + dispatch masks, expert in/out buffers
+    return step, nbytes, forward
+
+
+def gemm_floor(x, wg, w1, w2, k):
+    E, H, F_ = w1.shape
+    ids, _ = route(x, wg, k)
+    counts = torch.bincount(ids.reshape(-1), minlength=E).tolist()
+    xs = x[torch.argsort(ids.reshape(-1), stable=True) // k].clone().requires_grad_()
+    w1s = [w1[e].clone().requires_grad_() for e in range(E)]
+    w2s = [w2[e].clone().requires_grad_() for e in range(E)]
+    grad = torch.ones_like(xs)
+
+    def step():
+        for p in w1s + w2s + [xs]:
+            p.grad = None
+        outs = [F.gelu(part @ w1s[e]) @ w2s[e] for e, part in enumerate(xs.split(counts))]
+        torch.cat(outs).backward(grad)
+
+    return step, 0, counts
+
+
+def dense_mlp(x, k, F_):
+    T, H = x.shape
+    g = torch.Generator().manual_seed(1)
+    a = (torch.randn(H, k * F_, generator=g) * 0.02).requires_grad_()
+    b = (torch.randn(k * F_, H, generator=g) * 0.02).requires_grad_()
+    xin = x.clone().requires_grad_()
+    grad = torch.ones_like(x)
+
+    def step():
+        for p in (a, b, xin):
+            p.grad = None
+        (F.gelu(xin @ a) @ b).backward(grad)
+
+    return step, 0
+
+
+def timeit(fn: Callable[[], None], repeat: int) -> float:
+    fn()
+    times = []
+    for _ in range(repeat):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def run_config(name: str, routing: str, repeat: int, skip_gshard: bool = False, skip_megatron: bool = False,
+               check: bool = True) -> List[dict]:
+    c = CONFIGS[name]
+    H, F_, E, k, T = c["H"], c["F"], c["E"], c["k"], c["T"]
+    x, wg, w1, w2 = make_inputs(H, F_, E, k, T, routing)
+    rows = []
+
+    def add(label, step, nbytes, note=""):
+        rows.append(dict(config=name, routing=routing, impl=label, time=timeit(step, repeat), bytes=nbytes,
+                         note=note))
+
+    floor_step, _, counts = gemm_floor(x, wg, w1, w2, k)
+    add("GEMM floor", floor_step, 0)
+    step, nbytes, layer = ours(x, wg, w1, w2, k)
+    if check:   # same function as the peers: compare with megatron or the einsum below
+        with torch.no_grad():
+            y_ours = layer(x)
+    add("ours dropless", step, nbytes)
+    for cf in (1.0, 2.0):
+        step, nbytes, _ = ours(x, wg, w1, w2, k, "capacity", cf)
+        add(f"ours capacity CF={cf:g}", step, nbytes)
+    if not skip_megatron:
+        try:
+            step, nbytes, mlayer = megatron(x, wg, w1, w2, k)
+            if check:
+                with torch.no_grad():
+                    y_meg = mlayer(x.view(T, 1, H))[0].view(T, H)
+                err = float((y_meg - y_ours).abs().max() / y_ours.abs().max())
+                if err > 1e-3:
+                    raise AssertionError(f"megatron-core and ours disagree (rel. err {err:.2e})")
+            add("megatron-core MoELayer", step, nbytes)
+        except ImportError as e:
+            rows.append(dict(config=name, routing=routing, impl="megatron-core MoELayer", time=float("nan"),
+                             bytes=0, note=f"skipped: {e}"))
+    if not skip_gshard:
+        for cf in (1.0, 2.0):
+            step, nbytes, fwd = gshard_einsum(x, wg, w1, w2, k, cf)
+            add(f"gshard einsum CF={cf:g}", step, nbytes)
+    step, _ = dense_mlp(x, k, F_)
+    add("dense MLP (same FLOPs)", step, 0)
+    skew = max(counts) / (sum(counts) / len(counts))
+    for r in rows:
+        r["max_over_mean"] = skew
+    return rows
+
+
+def format_table(rows: List[dict]) -> str:
+    out = ["| config | routing | implementation | time (ms) | / GEMM floor | megatron / this | dispatch buffers |",
+           "|---|---|---|---:|---:|---:|---:|"]
+    for (cfg, routing) in dict.fromkeys((r["config"], r["routing"]) for r in rows):
+        group = [r for r in rows if r["config"] == cfg and r["routing"] == routing]
+        floor = next(r["time"] for r in group if r["impl"] == "GEMM floor")
+        meg = next((r["time"] for r in group if r["impl"].startswith("megatron")), float("nan"))
+        c = CONFIGS[cfg]
+        label = f"{cfg}: H={c['H']} F={c['F']} E={c['E']} k={c['k']} T={c['T']}"
+        for r in group:
+            b = r["bytes"]
+            size = "-" if not b else (f"{b / 2**20:.1f} MiB" if b < 2**30 else f"{b / 2**30:.2f} GiB")
+            out.append(f"| {label} | {routing} (max/mean {r['max_over_mean']:.2f}) | {r['impl']} | "
+                       f"{r['time'] * 1e3:.1f} | {r['time'] / floor:.3f} | {meg / r['time']:.3f} | {size} |"
+                       + (f" {r['note']}" if r["note"] else ""))
+    return "\n".join(out)
+
+
+def targets(rows: List[dict]) -> List[str]:
+    """The issue's targets, each checked on this run's numbers."""
+    lines = []
+    for (cfg, routing) in dict.fromkeys((r["config"], r["routing"]) for r in rows):
+        g = {r["impl"]: r for r in rows if r["config"] == cfg and r["routing"] == routing}
+        o, fl = g["ours dropless"], g["GEMM floor"]
+        res = [f"floor ratio {o['time'] / fl['time']:.3f} (<=1.05: {'met' if o['time'] <= 1.05 * fl['time'] else 'MISSED'})"]
+        if "megatron-core MoELayer" in g and not math.isnan(g["megatron-core MoELayer"]["time"]):
+            s = g["megatron-core MoELayer"]["time"] / o["time"]
+            res.append(f"vs megatron {s:.2f}x (>=1.10: {'met' if s >= 1.10 else 'MISSED'})")
+        if "gshard einsum CF=1" in g:
+            s = g["gshard einsum CF=1"]["time"] / o["time"]
+            m = g["gshard einsum CF=1"]["bytes"] / o["bytes"]
+            res.append(f"vs static CF=1 {s:.1f}x (>=3: {'met' if s >= 3 else 'MISSED'}), buffers {m:.1f}x smaller "
+                       f"(>=8: {'met' if m >= 8 else 'MISSED'})")
+        d = g["dense MLP (same FLOPs)"]["time"] / o["time"]
+        res.append(f"FLOP rate vs dense {100 * d:.0f}%")
+        lines.append(f"config {cfg} {routing}: " + "; ".join(res))
+    return lines
+
+
+def main(argv: Optional[List[str]] = None) -> List[dict]:
+    p = argparse.ArgumentParser(prog="megamoe bench layer", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--configs", default="1,2,3", help="comma list of: " + ", ".join(CONFIGS))
+    p.add_argument("--routing", default="balanced,skewed")
+    p.add_argument("--repeat", type=int, default=5)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--skip-gshard", action="store_true", help="skip the dense-mask einsum (slow, GiB of masks)")
+    p.add_argument("--skip-megatron", action="store_true")
+    p.add_argument("--output", help="also write the markdown table here")
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    rows = []
+    for name in args.configs.split(","):
+        if name not in CONFIGS:
+            p.error(f"--configs: unknown config {name!r}; known: {', '.join(CONFIGS)}")
+        for routing in args.routing.split(","):
+            if routing not in ("balanced", "skewed"):
+                p.error(f"--routing: {routing!r} is not balanced or skewed")
+            rows += run_config(name, routing, args.repeat, args.skip_gshard, args.skip_megatron)
+    table = format_table(rows)
+    summary = "\n".join(targets(rows))
+    header = (f"CPU fp32, {args.threads} thread(s), median of {args.repeat} forward+backward runs, one process. "
+              f"Measured on this machine (torch {torch.__version__}).")
+    print(header)
+    print(table)
+    print()
+    print(summary)
+    if args.output:
+        with open(args.output, "w") as f:
+            f.write(header + "\n\n" + table + "\n\n" + summary + "\n")
+    return rows

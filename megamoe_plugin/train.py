@@ -1,0 +1,641 @@
+"""The core's own trainer (the project's "main job"): a small MoE GPT language model on the embedded corpus.
+
+    megamoe train --steps 200                          # or: python -m megamoe_plugin.train --steps 200
+    torchrun --nproc-per-node 2 -m megamoe_plugin.train --moe-expert-parallel-size 2
+
+Model: ``megamoe_plugin.models.TinyMoEGPT`` (MoELayer every ``--moe-every`` blocks). Data: the embedded default
+corpus (``megamoe_plugin.data.build_corpus``), byte-level tokens. Loss: cross-entropy + ``collect_aux_loss``.
+AdamW, linear warmup then cosine decay to ``--min-lr-ratio * --lr``, gradient clipping (global norm).
+
+Flags: the model/training flags below plus every MoE option of ``MoEConfig`` rendered from
+``config.iter_options()`` (``--moe-<name>``; bools as ``--moe-x/--no-moe-x``). The MoEConfig is built right after
+parsing; an invalid combination is an argparse error (exit status 2) before anything runs.
+
+Every ``--log-interval`` steps one line: step, loss, lm loss, aux loss, lr, grad norm, tokens/s, and per MoE layer
+``L<id> load=[...] bal=<max/mean expert load> drop=<dropped fraction>`` (from ``StatsSink.summary``; the load is
+each expert's fraction of the routed assignments since the last line). Eval on the valid split every
+``--eval-interval`` steps and at the end: loss, perplexity and bits per byte (total bits / bytes predicted; the
+``<eod>`` targets' bits are counted, they are not counted as bytes).
+
+Multi-process (torchrun, ``WORLD_SIZE > 1``): gloo; the world is the data-parallel group; experts are sharded
+over expert-parallel groups of ``--moe-expert-parallel-size`` consecutive ranks (default 1 = every rank holds all
+experts). Each rank reads a different shard of every step's batches (``--batch-size`` is per rank). Gradients of
+replicated parameters are averaged over the world; expert parameters (``p.expert``) are all-reduced only over the
+ranks holding the same experts (none when EP = world), since the all-to-all already brings every EP rank's tokens'
+gradient to them, and scaled by 1/world (the gradient of the mean loss over all ranks).
+
+Checkpoints (``--save PATH``): ``{"format", "step", "model", "optimizer", "moe_config", "model_args", "args",
+"rng_states", "world_size", "expert_parallel_size", "ep_rank"}`` via ``torch.save``; one file (rank 0's) when
+experts are not sharded, else one per rank (``PATH.rank<r>``). ``--resume PATH`` restores model, optimizer, RNG
+and step and continues to ``--steps`` (the total): the data order and LR schedule are functions of the step, so a
+resumed run reproduces an uninterrupted one. ``--trace PATH`` (or ``--moe-trace-path``) records routing traces.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from .config import ConfigError, MoEConfig, iter_options
+from .data import build_corpus
+from .layer import collect_aux_loss, moe_layers
+from .models import TinyMoEGPT
+from .stats import StatsSink, TraceRecorder
+
+__all__ = ["MAIN_JOB_MOE_DEFAULTS", "CHECKPOINT_FORMAT", "ParallelState", "TrainResult", "TrainBatches",
+           "add_moe_arguments", "build_parser", "moe_config_from_args", "init_parallel", "make_parallel_state",
+           "build_model", "sync_gradients", "clip_grad_norm", "lr_at", "evaluate", "format_load",
+           "save_checkpoint", "load_checkpoint", "checkpoint_path", "main"]
+
+# MoE options of the main job where they differ from (or restate) MoEConfig's defaults.
+MAIN_JOB_MOE_DEFAULTS: Dict[str, object] = {"num_experts": 8, "gate": "gshard", "top_k": 2, "dispatch": "dropless",
+                                            "aux_loss_coeff": 0.01}
+CHECKPOINT_FORMAT = "megamoe-train/1"
+MODEL_ARG_NAMES = ("hidden", "layers", "heads", "ffn_hidden", "seq_len", "moe_every", "dropout")
+# MoE options that change the parameters' shapes or placement: a checkpoint only resumes with equal values
+MOE_SHAPE_OPTIONS = ("num_experts", "expert_ffn_hidden_size", "activation", "expert_bias", "expert_parallel_size")
+
+
+# --------------------------------------------------------------------------------------------------- arguments
+def moe_dest(name: str) -> str:
+    """The argparse dest of MoE option ``name`` (``--moe-top-k`` -> ``moe_top_k``)."""
+    return "moe_" + name
+
+
+def add_moe_arguments(parser: argparse._ActionsContainer, defaults: Optional[Dict[str, object]] = None) -> None:
+    """Render every MoEConfig option (``iter_options()``) as a flag: ``--moe-<name>`` with its type, default, help
+    and choices; bools as ``--moe-x / --no-moe-x``. ``defaults`` overrides MoEConfig's defaults by option name."""
+    defaults = defaults or {}
+    for opt in iter_options():
+        default = defaults.get(opt["name"], opt["default"])
+        help_text = opt["help"].replace("%", "%%")
+        kw = {"dest": moe_dest(opt["name"]), "default": default, "help": help_text}
+        if opt["type"] is bool:
+            parser.add_argument(opt["flag"], action=argparse.BooleanOptionalAction, **kw)
+        else:
+            parser.add_argument(opt["flag"], type=opt["type"], choices=opt["choices"],
+                                metavar=opt["type"].__name__.upper() if not opt["choices"] else None, **kw)
+
+
+def moe_config_from_args(args: argparse.Namespace) -> MoEConfig:
+    """MoEConfig from parsed flags (raises ConfigError on an invalid combination)."""
+    return MoEConfig(**{opt["name"]: getattr(args, moe_dest(opt["name"])) for opt in iter_options()})
+
+
+def build_parser(prog: Optional[str] = None) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog=prog or "megamoe train", allow_abbrev=False, formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        description="Train a small MoE GPT language model on CPU on the embedded default corpus (the core's "
+                    "main job). Launch with torchrun for data + expert parallelism over gloo.")
+    m = p.add_argument_group("model")
+    m.add_argument("--hidden", type=int, default=128, help="Hidden size.")
+    m.add_argument("--layers", type=int, default=4, help="Transformer blocks.")
+    m.add_argument("--heads", type=int, default=4, help="Attention heads.")
+    m.add_argument("--ffn-hidden", type=int, default=256, help="FFN hidden size (dense MLP and, unless "
+                                                               "--moe-expert-ffn-hidden-size, each expert).")
+    m.add_argument("--seq-len", type=int, default=128, help="Sequence length (tokens = bytes).")
+    m.add_argument("--moe-every", type=int, default=2, help="Block i has an MoE FFN when (i+1) %% N == 0; "
+                                                            "1 = every block, 0 = dense model.")
+    m.add_argument("--dropout", type=float, default=0.0, help="Dropout on embeddings and residual branches.")
+    t = p.add_argument_group("training")
+    t.add_argument("--batch-size", type=int, default=16, help="Sequences per step per rank.")
+    t.add_argument("--steps", type=int, default=200, help="Total training steps (a resumed run continues to it).")
+    t.add_argument("--lr", type=float, default=3e-3, help="Peak learning rate (AdamW).")
+    t.add_argument("--min-lr-ratio", type=float, default=0.1, help="Final LR of the cosine decay, relative to --lr.")
+    t.add_argument("--warmup", type=int, default=None, help="Linear warmup steps (default: 10%% of --steps).")
+    t.add_argument("--weight-decay", type=float, default=0.1, help="AdamW weight decay (matrices only).")
+    t.add_argument("--clip-grad", type=float, default=1.0, help="Clip the global gradient norm; 0 disables.")
+    t.add_argument("--seed", type=int, default=0, help="Seed of the model init, data order and corpus selection.")
+    t.add_argument("--threads", type=int, default=2, help="torch intra-op threads per process.")
+    d = p.add_argument_group("data")
+    d.add_argument("--corpus-bytes", type=int, default=2_000_000, help="Cap on the corpus size in bytes.")
+    d.add_argument("--corpus-cache", default=None, metavar="DIR", help="Cache the selected corpus documents here.")
+    o = p.add_argument_group("logging, eval and checkpoints")
+    o.add_argument("--log-interval", type=int, default=20, help="Steps between log lines.")
+    o.add_argument("--eval-interval", type=int, default=100, help="Steps between evals on the valid split "
+                                                                  "(also at the end); 0 = only at the end.")
+    o.add_argument("--eval-batches", type=int, default=0, help="Cap on eval batches per rank; 0 = the whole split.")
+    o.add_argument("--save", default=None, metavar="PATH", help="Write a checkpoint here at the end.")
+    o.add_argument("--save-interval", type=int, default=0, help="Also checkpoint every N steps (needs --save).")
+    o.add_argument("--resume", default=None, metavar="PATH", help="Restore a --save checkpoint and continue.")
+    o.add_argument("--trace", default=None, metavar="PATH", help="Record routing traces here (overrides "
+                                                                 "--moe-trace-path); one shard per rank.")
+    add_moe_arguments(p.add_argument_group("MoE options (MoEConfig)"), MAIN_JOB_MOE_DEFAULTS)
+    return p
+
+
+def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    for name in ("hidden", "layers", "heads", "ffn_hidden", "seq_len", "batch_size", "threads", "log_interval"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    for name in ("steps", "moe_every", "eval_interval", "eval_batches", "save_interval", "corpus_bytes"):
+        if getattr(args, name) < 0:
+            parser.error(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
+    if args.hidden % args.heads:
+        parser.error(f"--hidden={args.hidden} must be divisible by --heads={args.heads}")
+    if not args.lr > 0:
+        parser.error(f"--lr must be > 0, got {args.lr}")
+    if not 0 <= args.min_lr_ratio <= 1:
+        parser.error(f"--min-lr-ratio must be in [0, 1], got {args.min_lr_ratio}")
+    if args.warmup is not None and args.warmup < 0:
+        parser.error(f"--warmup must be >= 0, got {args.warmup}")
+    if args.weight_decay < 0 or args.clip_grad < 0:
+        parser.error("--weight-decay and --clip-grad must be >= 0")
+    if not 0 <= args.dropout < 1:
+        parser.error(f"--dropout must be in [0, 1), got {args.dropout}")
+    if args.save_interval and not args.save:
+        parser.error("--save-interval needs --save PATH")
+    if args.resume and not (os.path.exists(args.resume) or os.path.exists(args.resume + ".rank0")):
+        parser.error(f"--resume {args.resume}: no such checkpoint")
+
+
+# ---------------------------------------------------------------------------------------------------- parallel
+@dataclass
+class ParallelState:
+    """The process layout: the world is data-parallel; experts are sharded over EP groups of consecutive ranks."""
+    rank: int = 0
+    world_size: int = 1
+    ep_size: int = 1
+    ep_group: object = None            # this rank's EP group, for MoELayer (None when ep_size == 1)
+    expert_dp_group: object = None     # ranks holding the same experts (None when world_size == ep_size)
+    initialized_here: bool = False     # this trainer called init_process_group (and destroys it at the end)
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+    @property
+    def ep_rank(self) -> int:
+        return self.rank % self.ep_size
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def make_parallel_state(ep_size: int) -> ParallelState:
+    """Create the EP and expert-data-parallel groups (collective over the world when it has > 1 rank)."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        if ep_size != 1:
+            raise ConfigError(f"--moe-expert-parallel-size={ep_size} needs {ep_size} processes (launch with torchrun)")
+        return ParallelState()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if world % ep_size:
+        raise ConfigError(f"--moe-expert-parallel-size={ep_size}: must divide the world size {world}")
+    ep_group = expert_dp_group = None
+    if ep_size == world:
+        ep_group = dist.group.WORLD
+    elif ep_size > 1:
+        for g in range(world // ep_size):                 # every rank creates every group, in the same order
+            ranks = list(range(g * ep_size, (g + 1) * ep_size))
+            grp = dist.new_group(ranks)
+            if rank in ranks:
+                ep_group = grp
+    if ep_size == 1:
+        expert_dp_group = dist.group.WORLD
+    elif ep_size < world:
+        for i in range(ep_size):
+            ranks = list(range(i, world, ep_size))
+            grp = dist.new_group(ranks)
+            if rank in ranks:
+                expert_dp_group = grp
+    return ParallelState(rank, world, ep_size, ep_group, expert_dp_group)
+
+
+def init_parallel(ep_size: int) -> ParallelState:
+    """Single process, or (``WORLD_SIZE > 1``, e.g. torchrun) a gloo process group from the environment."""
+    initialized_here = False
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
+        dist.init_process_group("gloo")
+        initialized_here = True
+    ps = make_parallel_state(ep_size)
+    ps.initialized_here = initialized_here
+    return ps
+
+
+def _flat_allreduce(tensors: List[torch.Tensor], group, scale: float) -> None:
+    if not tensors:
+        return
+    flat = torch.cat([t.reshape(-1) for t in tensors])
+    if group is not None:
+        dist.all_reduce(flat, group=group)
+    if scale != 1.0:
+        flat.mul_(scale)
+    offset = 0
+    for t in tensors:
+        n = t.numel()
+        t.copy_(flat[offset:offset + n].view_as(t))
+        offset += n
+
+
+def sync_gradients(model: torch.nn.Module, ps: ParallelState) -> None:
+    """Make the gradients those of the mean loss over all ranks: replicated parameters are averaged over the
+    world; expert parameters are summed over the ranks holding the same experts and divided by the world size
+    (the all-to-all backward already summed the gradients of the EP group's tokens into them)."""
+    if not ps.distributed:
+        return
+    dense, expert = [], []
+    for p in model.parameters():
+        if not p.requires_grad:
+            continue
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        (expert if getattr(p, "expert", False) else dense).append(p.grad)
+    _flat_allreduce(dense, dist.group.WORLD, 1.0 / ps.world_size)
+    _flat_allreduce(expert, ps.expert_dp_group, 1.0 / ps.world_size)
+
+
+def clip_grad_norm(model: torch.nn.Module, max_norm: float, ps: Optional[ParallelState] = None) -> float:
+    """Global L2 norm of all gradients (expert shards of the EP group included); scales them to ``max_norm``
+    when larger (``max_norm`` 0: only measure). Equals ``torch.nn.utils.clip_grad_norm_`` in one process."""
+    dense, expert = [], []
+    for p in model.parameters():
+        if p.grad is not None:
+            (expert if getattr(p, "expert", False) else dense).append(p.grad)
+    sq = torch.zeros((), dtype=torch.float64)
+    if dense:
+        sq = sq + torch.stack([torch.linalg.vector_norm(g, dtype=torch.float64) for g in dense]).pow(2).sum()
+    esq = torch.zeros((), dtype=torch.float64)
+    if expert:
+        esq = esq + torch.stack([torch.linalg.vector_norm(g, dtype=torch.float64) for g in expert]).pow(2).sum()
+    if ps is not None and ps.ep_group is not None:
+        dist.all_reduce(esq, group=ps.ep_group)
+    total = float((sq + esq).sqrt())
+    if max_norm > 0:
+        coef = max_norm / (total + 1e-6)
+        if coef < 1.0:
+            for g in dense + expert:
+                g.mul_(coef)
+    return total
+
+
+# ------------------------------------------------------------------------------------------------------- model
+def build_model(cfg: MoEConfig, vocab_size: int, args: argparse.Namespace, ps: ParallelState,
+                stats: Optional[StatsSink] = None) -> TinyMoEGPT:
+    """The main job's model, identical on every rank: seeded init of the replicated parameters (broadcast from rank
+    0 for good measure), and experts drawn from a per-layer generator over the whole bank, so each EP rank holds
+    its slice of the same experts whatever the EP size."""
+    torch.manual_seed(args.seed)
+    model = TinyMoEGPT(cfg, vocab_size, hidden=args.hidden, heads=args.heads, layers=args.layers,
+                       ffn_hidden=args.ffn_hidden, seq_len=args.seq_len, moe_every=args.moe_every,
+                       ep_group=ps.ep_group, stats=stats, dropout=args.dropout)
+    with torch.no_grad():
+        for layer in moe_layers(model):
+            gen = torch.Generator().manual_seed(args.seed * 1_000_003 + 7919 * (layer.layer_id + 1))
+            per, lo = cfg.num_local_experts, ps.ep_rank * cfg.num_local_experts
+            for name in ("w1", "w2"):
+                p = getattr(layer.experts, name)
+                full = torch.empty((cfg.num_experts,) + tuple(p.shape[1:]), dtype=p.dtype)
+                full.normal_(0.0, cfg.init_std, generator=gen)
+                p.copy_(full[lo:lo + per])
+        if ps.distributed:
+            for p in model.parameters():
+                if not getattr(p, "expert", False):
+                    dist.broadcast(p.data, src=0)
+    return model
+
+
+def _optimizer(model: torch.nn.Module, args: argparse.Namespace) -> torch.optim.Optimizer:
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    return torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay},
+                              {"params": no_decay, "weight_decay": 0.0}], lr=args.lr, betas=(0.9, 0.95))
+
+
+def lr_at(step: int, total_steps: int, peak: float, warmup: int, min_ratio: float = 0.1) -> float:
+    """LR of (0-based) step ``step``: linear warmup over ``warmup`` steps, then cosine decay to ``min_ratio*peak``."""
+    if warmup > 0 and step < warmup:
+        return peak * (step + 1) / warmup
+    span = max(total_steps - warmup, 1)
+    progress = min(max(step - warmup, 0) / span, 1.0)
+    return peak * (min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress)))
+
+
+# -------------------------------------------------------------------------------------------------------- data
+class TrainBatches:
+    """Step-indexed training batches. Epoch ``e`` is a permutation of the split's samples (sample ``i`` =
+    ``tokens[i*T : i*T + T + 1]``, the indexing of ``Corpus.sample``) drawn from a generator seeded with
+    ``(seed, e)``; step ``s`` of rank ``r`` takes the ``(s mod steps_per_epoch) * world + r``-th batch of its
+    epoch. ``batch(step)`` depends only on the step, so a resumed run reads what an uninterrupted one would."""
+
+    def __init__(self, tokens: torch.Tensor, batch_size: int, seq_len: int, seed: int = 0, rank: int = 0,
+                 world_size: int = 1):
+        self.tokens, self.batch_size, self.seq_len = tokens, batch_size, seq_len
+        self.seed, self.rank, self.world_size = seed, rank, world_size
+        self.num_samples = max((tokens.numel() - 1) // seq_len, 0)
+        self.steps_per_epoch = self.num_samples // (batch_size * world_size)
+        if self.steps_per_epoch < 1:
+            raise ValueError(f"the training split has {self.num_samples} samples of {seq_len} tokens: too few for "
+                             f"one step of {batch_size} x {world_size} rank(s); raise --corpus-bytes")
+        self._offsets = torch.arange(seq_len + 1)
+        self._epoch, self._order = -1, None
+
+    def batch(self, step: int):
+        """(input [B, T], target [B, T]) of 0-based step ``step`` on this rank."""
+        epoch, i = divmod(step, self.steps_per_epoch)
+        if epoch != self._epoch:
+            gen = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+            self._epoch, self._order = epoch, torch.randperm(self.num_samples, generator=gen)
+        g = i * self.world_size + self.rank
+        idx = self._order[g * self.batch_size:(g + 1) * self.batch_size]
+        windows = self.tokens[idx[:, None] * self.seq_len + self._offsets]
+        return windows[:, :-1], windows[:, 1:]
+
+
+@torch.no_grad()
+def evaluate(model: TinyMoEGPT, corpus, split: str, batch_size: int, seq_len: int,
+             ps: Optional[ParallelState] = None, max_batches: int = 0) -> Dict[str, float]:
+    """Loss (nats/token), perplexity and bits per byte of ``split``, in order, sharded over the ranks (every rank
+    runs the same number of batches: the MoE layers' collectives need it). The MoE layers record into a separate
+    StatsSink meanwhile (returned as ``"moe"``), so eval routing stays out of the training statistics and
+    traces."""
+    ps = ps or ParallelState()
+    was_training = model.training
+    model.eval()
+    layers = moe_layers(model)
+    saved = [m.stats for m in layers]
+    eval_stats = StatsSink()
+    for m in layers:
+        m.stats = eval_stats
+    eod = corpus.eod_id
+    try:
+        n_batches = -(-corpus.num_samples(split, seq_len) // batch_size)
+        per_rank = n_batches // ps.world_size
+        if max_batches:
+            per_rank = min(per_rank, max_batches)
+        sums = torch.zeros(3, dtype=torch.float64)                 # nats, target tokens, target bytes
+        for b, (inp, tgt, _) in enumerate(corpus.batches(split, batch_size, seq_len)):
+            if b >= per_rank * ps.world_size:
+                break
+            if b % ps.world_size != ps.rank:
+                continue
+            logits = model(inp)
+            nll = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), tgt.reshape(-1), reduction="sum")
+            sums += torch.tensor([float(nll), tgt.numel(), float((tgt != eod).sum())], dtype=torch.float64)
+        if ps.distributed:
+            dist.all_reduce(sums)
+        moe = eval_stats.summary(group=dist.group.WORLD if ps.distributed else None,
+                                 ranks_of_experts=_owners(model.moe_cfg, ps))
+    finally:
+        for m, s in zip(layers, saved):
+            m.stats = s
+        model.train(was_training)
+    nats, toks, nbytes = sums.tolist()
+    loss = nats / toks if toks else float("nan")
+    return {"loss": loss, "ppl": math.exp(loss) if toks and loss < 700 else float("inf"),
+            "bpb": nats / math.log(2) / nbytes if nbytes else float("nan"), "tokens": int(toks), "moe": moe}
+
+
+# ----------------------------------------------------------------------------------------------------- logging
+def _owners(cfg: MoEConfig, ps: ParallelState) -> List[int]:
+    return [e * ps.ep_size // cfg.num_experts for e in range(cfg.num_experts)]
+
+
+def _frac(x: float) -> str:
+    s = f"{x:.2f}"
+    return s[1:] if s.startswith("0.") else s
+
+
+def format_load(summary: Dict[int, dict], show_device_balance: bool = False) -> str:
+    """``L<id> load=[.12 .13 ...] bal=1.07 drop=0.000`` per layer of a ``StatsSink.summary()``: each expert's
+    fraction of the routed (kept) assignments, max/mean expert load, dropped fraction of the assignments; with
+    ``show_device_balance`` also FlexMoE's device balance ratio (``dev=``)."""
+    parts = []
+    for layer_id, s in sorted(summary.items()):
+        counts = s["tokens_per_expert"]
+        total = sum(counts)
+        load = " ".join(_frac(c / total if total else 0.0) for c in counts)
+        text = f"L{layer_id} load=[{load}] bal={s['expert_max_over_mean']:.2f} drop={s['dropped_fraction']:.3f}"
+        if show_device_balance:
+            text += f" dev={s['balance_ratio']:.2f}"
+        parts.append(text)
+    return " | ".join(parts)
+
+
+def _format_eval(step: int, ev: Dict[str, float]) -> str:
+    return (f"eval  step {step:5d} | valid loss {ev['loss']:.4f} | ppl {ev['ppl']:.2f} | "
+            f"bpb {ev['bpb']:.4f} | {ev['tokens']} tokens")
+
+
+# ------------------------------------------------------------------------------------------------- checkpoints
+def checkpoint_path(path: str, ps: ParallelState) -> str:
+    """One file when experts are not sharded (every rank holds the same weights), else one per rank."""
+    return path if ps.ep_size == 1 else f"{path}.rank{ps.rank}"
+
+
+def save_checkpoint(path: str, model, optimizer, cfg: MoEConfig, step: int, args: argparse.Namespace,
+                    ps: ParallelState) -> Optional[str]:
+    rng = torch.get_rng_state()
+    rng_states = [rng]
+    if ps.distributed:
+        rng_states = [None] * ps.world_size
+        dist.all_gather_object(rng_states, rng)
+    out = None
+    if ps.ep_size > 1 or ps.is_main:
+        out = checkpoint_path(path, ps)
+        state = {"format": CHECKPOINT_FORMAT, "step": step, "model": model.state_dict(),
+                 "optimizer": optimizer.state_dict(), "moe_config": cfg.to_dict(),
+                 "model_args": {n: getattr(args, n) for n in MODEL_ARG_NAMES}, "args": dict(vars(args)),
+                 "rng_states": rng_states, "world_size": ps.world_size, "expert_parallel_size": ps.ep_size,
+                 "ep_rank": ps.ep_rank}
+        os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+        tmp = f"{out}.tmp{os.getpid()}"
+        torch.save(state, tmp)
+        os.replace(tmp, out)
+    if ps.distributed:
+        dist.barrier()
+    return out
+
+
+def load_checkpoint(path: str, ps: Optional[ParallelState] = None) -> dict:
+    """The checkpoint dict this rank resumes from (``PATH`` or ``PATH.rank<r>``)."""
+    ps = ps or ParallelState()
+    file = checkpoint_path(path, ps)
+    if not os.path.exists(file):
+        raise FileNotFoundError(f"no checkpoint {file} (saved with a different --moe-expert-parallel-size?)")
+    state = torch.load(file, map_location="cpu", weights_only=True)
+    if state.get("format") != CHECKPOINT_FORMAT:
+        raise ValueError(f"{file}: not a {CHECKPOINT_FORMAT} checkpoint")
+    return state
+
+
+def _check_resumable(parser, state: dict, args, cfg: MoEConfig, ps: ParallelState) -> None:
+    diffs = [f"--{n.replace('_', '-')}: checkpoint {state['model_args'][n]!r}, now {getattr(args, n)!r}"
+             for n in MODEL_ARG_NAMES if state["model_args"].get(n) != getattr(args, n)]
+    old = state["moe_config"]
+    diffs += [f"--moe-{n.replace('_', '-')}: checkpoint {old.get(n)!r}, now {getattr(cfg, n)!r}"
+              for n in MOE_SHAPE_OPTIONS if old.get(n) != getattr(cfg, n)]
+    if ps.ep_size > 1 and state["world_size"] != ps.world_size:
+        diffs.append(f"world size: checkpoint {state['world_size']}, now {ps.world_size}")
+    if diffs:
+        parser.error(f"--resume {args.resume}: the checkpoint does not match this model: " + "; ".join(diffs))
+
+
+# -------------------------------------------------------------------------------------------------------- main
+@dataclass
+class TrainResult:
+    step: int                                   # completed steps
+    model: TinyMoEGPT
+    optimizer: torch.optim.Optimizer
+    moe_config: MoEConfig
+    start_step: int = 0                         # step the run started from (> 0 when resumed)
+    history: List[dict] = field(default_factory=list)   # one dict per log line
+    evals: List[dict] = field(default_factory=list)     # one dict per eval (with "step")
+    checkpoint: Optional[str] = None
+    trace: Optional[str] = None
+
+
+def main(argv: Optional[Sequence[str]] = None) -> TrainResult:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    _check_args(parser, args)
+    try:
+        cfg = moe_config_from_args(args)
+    except ConfigError as err:
+        parser.error(str(err))
+    torch.set_num_threads(args.threads)
+    try:
+        ps = init_parallel(cfg.expert_parallel_size)
+    except ConfigError as err:
+        parser.error(str(err))
+    try:
+        return _train(parser, args, cfg, ps)
+    finally:
+        if ps.initialized_here and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _train(parser, args, cfg: MoEConfig, ps: ParallelState) -> TrainResult:
+    def log(msg: str) -> None:
+        if ps.is_main:
+            print(msg, flush=True)
+
+    t0 = time.perf_counter()
+    corpus = build_corpus(max_bytes=args.corpus_bytes, seed=args.seed, cache_dir=args.corpus_cache)
+    try:
+        batches = TrainBatches(corpus.split("train").tokens, args.batch_size, args.seq_len, args.seed, ps.rank,
+                               ps.world_size)
+    except ValueError as err:
+        parser.error(str(err))
+    stats = StatsSink()
+    try:
+        model = build_model(cfg, corpus.vocab_size, args, ps, stats)
+    except (ConfigError, ValueError) as err:
+        parser.error(str(err))
+    optimizer = _optimizer(model, args)
+    warmup = args.warmup if args.warmup is not None else max(args.steps // 10, 1)
+    torch.manual_seed(args.seed * 1_000_003 + 17 + ps.rank)     # per-rank RNG: random routing, dropout, jitter
+
+    start = 0
+    if args.resume:
+        state = load_checkpoint(args.resume, ps)
+        _check_resumable(parser, state, args, cfg, ps)
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        start = int(state["step"])
+        rngs = state.get("rng_states") or []
+        if len(rngs) == ps.world_size:
+            torch.set_rng_state(rngs[ps.rank])
+
+    trace_path = args.trace or cfg.trace_path
+    tracer = None
+    if trace_path:
+        tracer = TraceRecorder(trace_path, ps.rank, ps.world_size, cfg.num_experts, cfg.top_k, cfg.trace_token_ids)
+        stats.listeners.append(tracer)
+
+    n_moe = len(moe_layers(model))
+    log(f"megamoe main job | {corpus!r}")
+    log(f"model: {args.layers} layers ({n_moe} MoE, every {args.moe_every}), hidden {args.hidden}, heads "
+        f"{args.heads}, ffn {args.ffn_hidden}, seq {args.seq_len}, vocab {corpus.vocab_size} | params "
+        f"{model.num_parameters() / 1e6:.2f}M on rank 0 ({model.num_parameters(active=True) / 1e6:.2f}M active "
+        f"per token)")
+    log(f"moe: {cfg.num_experts} experts, gate {cfg.gate} top-{cfg.top_k}, dispatch {cfg.dispatch}"
+        + (f" (capacity factor {cfg.capacity_factor})" if cfg.dispatch == "capacity" else "")
+        + f", aux {cfg.aux_loss_coeff}, z {cfg.z_loss_coeff}, activation {cfg.activation}")
+    log(f"parallel: world {ps.world_size}, expert-parallel {ps.ep_size} ({cfg.num_local_experts} local experts), "
+        f"batch {args.batch_size}x{args.seq_len} per rank, {args.threads} thread(s) | steps {args.steps}, "
+        f"lr {args.lr} warmup {warmup} cosine | setup {time.perf_counter() - t0:.1f}s")
+    if start:
+        log(f"resumed from {args.resume} at step {start}")
+
+    result = TrainResult(step=start, model=model, optimizer=optimizer, moe_config=cfg, start_step=start)
+    world_group = dist.group.WORLD if ps.distributed else None
+    owners = _owners(cfg, ps)
+    tokens_per_step = args.batch_size * args.seq_len * ps.world_size
+    acc = torch.zeros(3, dtype=torch.float64)                  # loss, lm, aux sums over the interval
+    acc_steps, gnorm = 0, 0.0
+    model.train()
+    t_last = time.perf_counter()
+
+    for step in range(start, args.steps):
+        lr = lr_at(step, args.steps, args.lr, warmup, args.min_lr_ratio)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        inp, tgt = batches.batch(step)
+        if tracer is not None:
+            tracer.next_step(step + 1)
+        logits = model(inp)
+        lm_loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), tgt.reshape(-1))
+        aux_loss = collect_aux_loss(model)
+        loss = lm_loss + aux_loss
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        sync_gradients(model, ps)
+        gnorm = clip_grad_norm(model, args.clip_grad, ps)
+        optimizer.step()
+        done = step + 1
+        result.step = done
+        acc += torch.stack([loss.detach(), lm_loss.detach(), aux_loss.detach()]).double()
+        acc_steps += 1
+
+        if done % args.log_interval == 0 or done == args.steps:
+            if ps.distributed:
+                dist.all_reduce(acc, group=world_group)
+            mean = (acc / (acc_steps * ps.world_size)).tolist()
+            summary = stats.summary(group=world_group, ranks_of_experts=owners)
+            elapsed = time.perf_counter() - t_last
+            tps = acc_steps * tokens_per_step / max(elapsed, 1e-9)
+            line = (f"step {done:5d}/{args.steps} | loss {mean[0]:.4f} | lm {mean[1]:.4f} | aux {mean[2]:.4f} | "
+                    f"lr {lr:.2e} | gnorm {gnorm:.2f} | {tps:,.0f} tok/s")
+            if summary:
+                line += " | " + format_load(summary, show_device_balance=ps.ep_size > 1)
+            log(line)
+            result.history.append({"step": done, "loss": mean[0], "lm_loss": mean[1], "aux_loss": mean[2],
+                                   "lr": lr, "grad_norm": gnorm, "tokens_per_s": tps, "moe": summary})
+            acc.zero_()
+            acc_steps = 0
+            t_last = time.perf_counter()
+
+        if args.eval_interval and done % args.eval_interval == 0 and done != args.steps:
+            ev = evaluate(model, corpus, "valid", args.batch_size, args.seq_len, ps, args.eval_batches)
+            log(_format_eval(done, ev))
+            result.evals.append({"step": done, **ev})
+            t_last = time.perf_counter()
+        if args.save_interval and done % args.save_interval == 0 and done != args.steps:
+            save_checkpoint(args.save, model, optimizer, cfg, done, args, ps)
+            t_last = time.perf_counter()
+
+    ev = evaluate(model, corpus, "valid", args.batch_size, args.seq_len, ps, args.eval_batches)
+    log(_format_eval(result.step, ev))
+    result.evals.append({"step": result.step, **ev})
+    if args.save:
+        result.checkpoint = save_checkpoint(args.save, model, optimizer, cfg, result.step, args, ps)
+        log(f"saved checkpoint {checkpoint_path(args.save, ps)} (step {result.step})")
+    if tracer is not None:
+        result.trace = tracer.flush()
+        log(f"routing trace: {trace_path}.rank* (steps {start + 1}..{result.step})")
+    log(f"done: {result.step - start} steps in {time.perf_counter() - t0:.1f}s")
+    return result
+
+
+if __name__ == "__main__":
+    main()
+    sys.exit(0)
