@@ -13,7 +13,9 @@ parsing; an invalid combination is an argparse error (exit status 2) before anyt
 
 Every ``--log-interval`` steps one line: step, loss, lm loss, aux loss, lr, grad norm, tokens/s, and per MoE layer
 ``L<id> load=[...] bal=<max/mean expert load> drop=<dropped fraction>`` (from ``StatsSink.summary``; the load is
-each expert's fraction of the routed assignments since the last line). Eval on the valid split every
+each expert's fraction of the routed assignments since the last line; ``drop`` counts every assignment not
+computed, which with the default gshard gate includes the second choices that its random routing skips, about a
+third of them, even in dropless dispatch; ``--moe-second-expert-policy all`` keeps them). Eval on the valid split every
 ``--eval-interval`` steps and at the end: loss, perplexity and bits per byte (total bits / bytes predicted; the
 ``<eod>`` targets' bits are counted, they are not counted as bytes).
 
@@ -28,7 +30,8 @@ Checkpoints (``--save PATH``): ``{"format", "step", "model", "optimizer", "moe_c
 "rng_states", "world_size", "expert_parallel_size", "ep_rank"}`` via ``torch.save``; one file (rank 0's) when
 experts are not sharded, else one per rank (``PATH.rank<r>``). ``--resume PATH`` restores model, optimizer, RNG
 and step and continues to ``--steps`` (the total): the data order and LR schedule are functions of the step, so a
-resumed run reproduces an uninterrupted one. ``--trace PATH`` (or ``--moe-trace-path``) records routing traces.
+resumed run reproduces an uninterrupted one (``--exit-interval N`` stops a run early at a multiple of N, e.g. for
+preemptible jobs). ``--trace PATH`` (or ``--moe-trace-path``) records routing traces.
 """
 from __future__ import annotations
 
@@ -108,6 +111,9 @@ def build_parser(prog: Optional[str] = None) -> argparse.ArgumentParser:
     t = p.add_argument_group("training")
     t.add_argument("--batch-size", type=int, default=16, help="Sequences per step per rank.")
     t.add_argument("--steps", type=int, default=200, help="Total training steps (a resumed run continues to it).")
+    t.add_argument("--exit-interval", type=int, default=0, help="Stop early once the step is a multiple of N "
+                                                                "(the LR schedule still spans --steps); with --save "
+                                                                "the checkpoint is written for --resume.")
     t.add_argument("--lr", type=float, default=3e-3, help="Peak learning rate (AdamW).")
     t.add_argument("--min-lr-ratio", type=float, default=0.1, help="Final LR of the cosine decay, relative to --lr.")
     t.add_argument("--warmup", type=int, default=None, help="Linear warmup steps (default: 10%% of --steps).")
@@ -136,7 +142,7 @@ def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> No
     for name in ("hidden", "layers", "heads", "ffn_hidden", "seq_len", "batch_size", "threads", "log_interval"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    for name in ("steps", "moe_every", "eval_interval", "eval_batches", "save_interval", "corpus_bytes"):
+    for name in ("steps", "exit_interval", "moe_every", "eval_interval", "eval_batches", "save_interval", "corpus_bytes"):
         if getattr(args, name) < 0:
             parser.error(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
     if args.hidden % args.heads:
@@ -280,23 +286,15 @@ def clip_grad_norm(model: torch.nn.Module, max_norm: float, ps: Optional[Paralle
 # ------------------------------------------------------------------------------------------------------- model
 def build_model(cfg: MoEConfig, vocab_size: int, args: argparse.Namespace, ps: ParallelState,
                 stats: Optional[StatsSink] = None) -> TinyMoEGPT:
-    """The main job's model, identical on every rank: seeded init of the replicated parameters (broadcast from rank
-    0 for good measure), and experts drawn from a per-layer generator over the whole bank, so each EP rank holds
-    its slice of the same experts whatever the EP size."""
+    """The main job's model from ``--seed``: the same on every rank and for every expert-parallel size (each EP
+    rank holds its slice of the EP=1 model's experts; see TinyMoEGPT). Replicated parameters are broadcast from
+    rank 0 all the same, as DDP does."""
     torch.manual_seed(args.seed)
     model = TinyMoEGPT(cfg, vocab_size, hidden=args.hidden, heads=args.heads, layers=args.layers,
                        ffn_hidden=args.ffn_hidden, seq_len=args.seq_len, moe_every=args.moe_every,
                        ep_group=ps.ep_group, stats=stats, dropout=args.dropout)
-    with torch.no_grad():
-        for layer in moe_layers(model):
-            gen = torch.Generator().manual_seed(args.seed * 1_000_003 + 7919 * (layer.layer_id + 1))
-            per, lo = cfg.num_local_experts, ps.ep_rank * cfg.num_local_experts
-            for name in ("w1", "w2"):
-                p = getattr(layer.experts, name)
-                full = torch.empty((cfg.num_experts,) + tuple(p.shape[1:]), dtype=p.dtype)
-                full.normal_(0.0, cfg.init_std, generator=gen)
-                p.copy_(full[lo:lo + per])
-        if ps.distributed:
+    if ps.distributed:
+        with torch.no_grad():
             for p in model.parameters():
                 if not getattr(p, "expert", False):
                     dist.broadcast(p.data, src=0)
@@ -382,8 +380,7 @@ def evaluate(model: TinyMoEGPT, corpus, split: str, batch_size: int, seq_len: in
             sums += torch.tensor([float(nll), tgt.numel(), float((tgt != eod).sum())], dtype=torch.float64)
         if ps.distributed:
             dist.all_reduce(sums)
-        moe = eval_stats.summary(group=dist.group.WORLD if ps.distributed else None,
-                                 ranks_of_experts=_owners(model.moe_cfg, ps))
+        moe = eval_stats.summary(group=dist.group.WORLD if ps.distributed else None)
     finally:
         for m, s in zip(layers, saved):
             m.stats = s
@@ -395,10 +392,6 @@ def evaluate(model: TinyMoEGPT, corpus, split: str, batch_size: int, seq_len: in
 
 
 # ----------------------------------------------------------------------------------------------------- logging
-def _owners(cfg: MoEConfig, ps: ParallelState) -> List[int]:
-    return [e * ps.ep_size // cfg.num_experts for e in range(cfg.num_experts)]
-
-
 def _frac(x: float) -> str:
     s = f"{x:.2f}"
     return s[1:] if s.startswith("0.") else s
@@ -568,14 +561,16 @@ def _train(parser, args, cfg: MoEConfig, ps: ParallelState) -> TrainResult:
 
     result = TrainResult(step=start, model=model, optimizer=optimizer, moe_config=cfg, start_step=start)
     world_group = dist.group.WORLD if ps.distributed else None
-    owners = _owners(cfg, ps)
     tokens_per_step = args.batch_size * args.seq_len * ps.world_size
     acc = torch.zeros(3, dtype=torch.float64)                  # loss, lm, aux sums over the interval
     acc_steps, gnorm = 0, 0.0
     model.train()
     t_last = time.perf_counter()
 
-    for step in range(start, args.steps):
+    end = args.steps
+    if args.exit_interval:
+        end = min(end, (start // args.exit_interval + 1) * args.exit_interval)
+    for step in range(start, end):
         lr = lr_at(step, args.steps, args.lr, warmup, args.min_lr_ratio)
         for group in optimizer.param_groups:
             group["lr"] = lr
@@ -596,17 +591,18 @@ def _train(parser, args, cfg: MoEConfig, ps: ParallelState) -> TrainResult:
         acc += torch.stack([loss.detach(), lm_loss.detach(), aux_loss.detach()]).double()
         acc_steps += 1
 
-        if done % args.log_interval == 0 or done == args.steps:
+        if done % args.log_interval == 0 or done == end:
             if ps.distributed:
                 dist.all_reduce(acc, group=world_group)
             mean = (acc / (acc_steps * ps.world_size)).tolist()
-            summary = stats.summary(group=world_group, ranks_of_experts=owners)
+            summary = stats.summary(group=world_group)
             elapsed = time.perf_counter() - t_last
             tps = acc_steps * tokens_per_step / max(elapsed, 1e-9)
             line = (f"step {done:5d}/{args.steps} | loss {mean[0]:.4f} | lm {mean[1]:.4f} | aux {mean[2]:.4f} | "
                     f"lr {lr:.2e} | gnorm {gnorm:.2f} | {tps:,.0f} tok/s")
             if summary:
-                line += " | " + format_load(summary, show_device_balance=ps.ep_size > 1)
+                # device balance (experts in contiguous blocks over the ranks) only when EP spans the world
+                line += " | " + format_load(summary, show_device_balance=1 < ps.ep_size == ps.world_size)
             log(line)
             result.history.append({"step": done, "loss": mean[0], "lm_loss": mean[1], "aux_loss": mean[2],
                                    "lr": lr, "grad_norm": gnorm, "tokens_per_s": tps, "moe": summary})
@@ -614,12 +610,12 @@ def _train(parser, args, cfg: MoEConfig, ps: ParallelState) -> TrainResult:
             acc_steps = 0
             t_last = time.perf_counter()
 
-        if args.eval_interval and done % args.eval_interval == 0 and done != args.steps:
+        if args.eval_interval and done % args.eval_interval == 0 and done != end:
             ev = evaluate(model, corpus, "valid", args.batch_size, args.seq_len, ps, args.eval_batches)
             log(_format_eval(done, ev))
             result.evals.append({"step": done, **ev})
             t_last = time.perf_counter()
-        if args.save_interval and done % args.save_interval == 0 and done != args.steps:
+        if args.save_interval and done % args.save_interval == 0 and done != end:
             save_checkpoint(args.save, model, optimizer, cfg, done, args, ps)
             t_last = time.perf_counter()
 
@@ -632,7 +628,8 @@ def _train(parser, args, cfg: MoEConfig, ps: ParallelState) -> TrainResult:
     if tracer is not None:
         result.trace = tracer.flush()
         log(f"routing trace: {trace_path}.rank* (steps {start + 1}..{result.step})")
-    log(f"done: {result.step - start} steps in {time.perf_counter() - t0:.1f}s")
+    log(f"done: {result.step - start} steps in {time.perf_counter() - t0:.1f}s"
+        + (f" (stopped at --exit-interval, {args.steps - result.step} steps to go)" if result.step < args.steps else ""))
     return result
 
 

@@ -7,8 +7,11 @@ the token embedding. Block ``i`` uses an MoELayer (layer_id ``i``) when ``moe_ev
 ``(i + 1) % moe_every == 0`` (GShard's "every other layer" for ``moe_every=2``: blocks 1, 3, ...), a dense
 GELU MLP otherwise; ``moe_every=0`` gives the dense baseline. All MoE layers share one StatsSink.
 
-Init follows GPT-2: normal(0, 0.02) everywhere, the residual output projections of attention and of the dense
-MLP scaled by 1/sqrt(2 * layers); the MoE layer initialises its own gate and experts (``--moe-init-std``).
+Init follows GPT-2: normal(0, 0.02), the residual output projections of attention and of the dense MLP scaled by
+1/sqrt(2 * layers); gates and experts normal(0, ``MoEConfig.init_std``). It draws from generators seeded by one
+draw of the global RNG at construction, and each MoE layer's experts from a generator of its own over the whole
+bank of ``num_experts`` experts, of which EP rank r keeps its slice: after ``torch.manual_seed(s)`` the model is the
+same whatever the expert-parallel size (EP rank r holds experts [r*E_local, (r+1)*E_local) of the EP=1 model).
 """
 from __future__ import annotations
 
@@ -91,6 +94,7 @@ class TinyMoEGPT(nn.Module):
             raise ValueError(f"moe_every must be >= 0 (0 = no MoE layer), got {moe_every}")
         self.moe_cfg, self.vocab_size, self.hidden, self.seq_len = moe_cfg, vocab_size, hidden, seq_len
         self.num_layers, self.moe_every = layers, moe_every
+        init_seed = int(torch.randint(0, 2 ** 62, ()).item())     # the only draw from the global RNG
         self.stats = stats if stats is not None else StatsSink()
         self.wte = nn.Embedding(vocab_size, hidden)
         self.wpe = nn.Embedding(seq_len, hidden)
@@ -105,19 +109,39 @@ class TinyMoEGPT(nn.Module):
             blocks.append(Block(hidden, heads, ffn, dropout))
         self.blocks = nn.ModuleList(blocks)
         self.ln_f = nn.LayerNorm(hidden)
-        self._init_weights()
+        self._init_weights(init_seed)
 
-    def _init_weights(self):
+    @torch.no_grad()
+    def _init_weights(self, seed: int):
+        gen = torch.Generator().manual_seed(seed)
         resid_std = 0.02 / math.sqrt(2 * self.num_layers)
+        moe = [m for m in self.modules() if isinstance(m, MoELayer)]
+        inside_moe = {id(sub) for m in moe for sub in m.modules()}
         for name, m in self.named_modules():
-            if isinstance(m, MoELayer):
-                continue                                  # gate and experts are initialised by the layer
+            if id(m) in inside_moe:
+                continue
             if isinstance(m, nn.Linear):
                 std = resid_std if name.endswith((".proj", ".fc2")) else 0.02
-                nn.init.normal_(m.weight, std=std)
+                nn.init.normal_(m.weight, std=std, generator=gen)
                 nn.init.zeros_(m.bias)
             elif isinstance(m, nn.Embedding):
-                nn.init.normal_(m.weight, std=0.02)
+                nn.init.normal_(m.weight, std=0.02, generator=gen)
+            elif isinstance(m, nn.LayerNorm):
+                nn.init.ones_(m.weight)
+                nn.init.zeros_(m.bias)
+        for layer in moe:
+            std = self.moe_cfg.init_std
+            lgen = torch.Generator().manual_seed((seed + 7919 * (layer.layer_id + 1)) % (2 ** 63))
+            nn.init.normal_(layer.gate.weight, std=std, generator=lgen)
+            bank = layer.experts
+            lo = layer.ep.rank * bank.num_local_experts
+            for p in (bank.w1, bank.w2):
+                full = torch.empty((self.moe_cfg.num_experts,) + tuple(p.shape[1:]), dtype=p.dtype)
+                nn.init.normal_(full, std=std, generator=lgen)
+                p.copy_(full[lo:lo + bank.num_local_experts])
+            for p in (bank.b1, bank.b2):
+                if p is not None:
+                    nn.init.zeros_(p)
 
     # ------------------------------------------------------------------------------------------------------------
     @property

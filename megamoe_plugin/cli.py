@@ -1,0 +1,106 @@
+"""The ``megamoe`` console command.
+
+    megamoe train [flags]     train the MoE GPT main job (megamoe_plugin.train; ``megamoe train -h`` lists flags)
+    megamoe bench [flags]     benchmarks (megamoe_plugin.bench)
+    megamoe options           table of every MoE option: flag, type, default, help
+
+Everything after the subcommand is handed to it unparsed (``parse_known_args``), so ``megamoe train -h`` shows the
+trainer's own help.
+"""
+from __future__ import annotations
+
+import argparse
+import shutil
+import sys
+import textwrap
+from typing import List, Optional, Sequence
+
+from .config import iter_options
+
+__all__ = ["main", "options_table"]
+
+
+def options_table(width: Optional[int] = None) -> str:
+    """The MoE options as a plain-text table (flag, type, default, help; choices appended to the help)."""
+    rows = []
+    for opt in iter_options():
+        help_text = opt["help"]
+        if opt["choices"]:
+            help_text += f" Choices: {', '.join(map(str, opt['choices']))}."
+        if opt["type"] is bool:
+            flag = f"{opt['flag']} / --no-{opt['flag'][2:]}"
+        else:
+            flag = opt["flag"]
+        rows.append((flag, opt["type"].__name__, repr(opt["default"]), help_text))
+    head = ("flag", "type", "default", "help")
+    w = [max(len(r[i]) for r in rows + [head]) for i in range(3)]
+    width = width or shutil.get_terminal_size((140, 24)).columns
+    help_w = max(width - sum(w) - 6, 30)
+    lines = [f"{head[0]:<{w[0]}}  {head[1]:<{w[1]}}  {head[2]:<{w[2]}}  {head[3]}",
+             f"{'-' * w[0]}  {'-' * w[1]}  {'-' * w[2]}  {'-' * min(help_w, 40)}"]
+    indent = " " * (sum(w) + 6)
+    for flag, typ, default, help_text in rows:
+        wrapped = textwrap.wrap(help_text, help_w) or [""]
+        lines.append(f"{flag:<{w[0]}}  {typ:<{w[1]}}  {default:<{w[2]}}  {wrapped[0]}")
+        lines.extend(indent + more for more in wrapped[1:])
+    return "\n".join(lines)
+
+
+def _options(argv: List[str]) -> int:
+    p = argparse.ArgumentParser(prog="megamoe options", description="Print every MoE option (MoEConfig).")
+    p.add_argument("--width", type=int, default=None, help="Line width of the table (default: the terminal's).")
+    args = p.parse_args(argv)
+    print(options_table(args.width))
+    return 0
+
+
+def _train(argv: List[str]) -> int:
+    from . import train
+    train.main(argv)
+    return 0
+
+
+def _bench(argv: List[str]) -> int:
+    try:
+        from . import bench
+    except ModuleNotFoundError as err:
+        if err.name != f"{__package__}.bench":
+            raise
+        print("megamoe bench: megamoe_plugin.bench is not available in this installation", file=sys.stderr)
+        return 2
+    rc = bench.main(argv)
+    return rc if isinstance(rc, int) else 0
+
+
+_COMMANDS = {
+    "train": (_train, "Train the small MoE GPT language model on the embedded corpus (the main job)."),
+    "bench": (_bench, "Run the MoE benchmarks (megamoe_plugin.bench)."),
+    "options": (_options, "Print the table of all MoE options: flag, type, default, help."),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="megamoe", allow_abbrev=False,
+                                description="megamoe-plugin: MoE research systems for Megatron and fairseq.",
+                                epilog="'megamoe <command> -h' shows a command's own flags.")
+    sub = p.add_subparsers(dest="command", metavar="<command>", required=True)
+    for name, (_, help_text) in _COMMANDS.items():
+        # add_help=False: -h/--help goes through to the command's own parser
+        sub.add_parser(name, help=help_text, description=help_text, add_help=False, allow_abbrev=False)
+    return p
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    if argv and argv[0] in ("-h", "--help"):
+        parser.print_help()
+        return 0
+    ns, rest = parser.parse_known_args(argv[:1])
+    rest += argv[1:]             # everything after the subcommand, untouched and in order
+    func, _ = _COMMANDS[ns.command]
+    return func(rest)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
