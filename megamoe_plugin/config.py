@@ -58,6 +58,8 @@ class MoEConfig:
     activation: str = _opt("gelu", "Expert activation: gelu | relu | swiglu.", ACTIVATIONS)
     expert_bias: bool = _opt(False, "Give the experts' fc1/fc2 a bias.")
     init_std: float = _opt(0.02, "Std of the normal init of expert and gate weights.")
+    cpu_expert_lanes: int = _opt(0, "CPU only: run this many experts side by side, one thread each; 0 = automatic "
+                                    "(lanes = intra-op threads when groups are small), 1 = one after another.")
     # --- parallelism and topology --------------------------------------------------------------------------------
     expert_parallel_size: int = _opt(1, "Ranks the experts are sharded over (the expert-parallel group size).")
     world_size: int = _opt(0, "Ranks in the job; 0 = from the launcher (WORLD_SIZE), else 1.")
@@ -142,6 +144,8 @@ class MoEConfig:
             bad("ta_moe_smoothing", "must be in [0, 1]")
         if not self.hir_budget_scale > 0:
             bad("hir_budget_scale", "must be > 0")
+        if self.cpu_expert_lanes < 0:
+            bad("cpu_expert_lanes", "must be >= 0 (0 = automatic)")
         if self.expert_ffn_hidden_size < 0:
             bad("expert_ffn_hidden_size", "must be >= 0")
         if self.expert_parallel_size < 1:

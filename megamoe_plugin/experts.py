@@ -7,26 +7,30 @@ optimizer state tensor shaped like it), so copying, replicating or moving an exp
 
 Tokens arrive sorted by local expert in contiguous groups of sizes ``tokens_per_expert`` (host ints known from
 the dispatcher's count exchange). ``GroupedExpertFFN`` is a hand-written autograd function: a loop over experts
-(never over tokens) of GEMMs written straight into preallocated output and gradient buffers, one activation over
-all rows, and a batched-GEMM path when every group has the same size (capacity mode).
+(never over tokens); each expert's fc1 -> activation -> fc2 (and backward) runs back to back while its rows are in
+cache, writing into slices of preallocated output and gradient buffers. On CPU, many small groups run side by
+side on "lanes" (one thread each) instead of one after another with intra-op threads: small GEMMs parallelise
+poorly inside, well across experts (``cpu_expert_lanes``; 0 = automatic).
 """
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 
-# --- activations: forward and backward over the whole [N, F'] buffer at once ------------------------------------
-def _act_forward(h: torch.Tensor, activation: str) -> torch.Tensor:
+# --- activations, per expert, written into preallocated slices ----------------------------------------------------
+def _act_into(h: torch.Tensor, out: torch.Tensor, activation: str) -> None:
     if activation == "gelu":
-        return F.gelu(h)
-    if activation == "relu":
-        return F.relu(h)
-    gate, up = h.chunk(2, dim=-1)
-    return F.silu(gate) * up
+        torch.ops.aten.gelu.out(h, out=out)
+    elif activation == "relu":
+        torch.clamp_min(h, 0, out=out)
+    else:
+        gate, up = h.chunk(2, dim=-1)
+        torch.mul(F.silu(gate), up, out=out)
 
 
 def _act_backward(da: torch.Tensor, h: torch.Tensor, activation: str) -> torch.Tensor:
@@ -35,109 +39,137 @@ def _act_backward(da: torch.Tensor, h: torch.Tensor, activation: str) -> torch.T
     if activation == "relu":
         return da * (h > 0)
     gate, up = h.chunk(2, dim=-1)
-    d_gate = torch.ops.aten.silu_backward(da * up, gate)
-    return torch.cat([d_gate, da * F.silu(gate)], dim=-1)
+    return torch.cat([torch.ops.aten.silu_backward(da * up, gate), da * F.silu(gate)], dim=-1)
+
+
+def _bounds(counts: Sequence[int]) -> List[Tuple[int, int, int]]:
+    """(expert, start row, end row) of every non-empty group."""
+    out, s = [], 0
+    for e, c in enumerate(counts):
+        if c:
+            out.append((e, s, s + c))
+        s += c
+    return out
+
+
+# --- CPU expert lanes: small GEMMs run better side by side, one thread each, than one after another ------------
+_POOL: Optional[ThreadPoolExecutor] = None
+SMALL_GROUP_FLOPS = 2.5e8     # below this many multiply-adds per group (x @ w1), lanes beat intra-op threads
+
+
+def _lanes_for(x: torch.Tensor, groups, w1: torch.Tensor, requested: int) -> int:
+    if x.device.type != "cpu" or len(groups) < 2:
+        return 1
+    threads = torch.get_num_threads()
+    if requested:
+        return max(1, min(requested, threads, len(groups)))
+    mean_rows = sum(t - s for _, s, t in groups) / len(groups)
+    small = mean_rows * w1.shape[1] * w1.shape[2] < SMALL_GROUP_FLOPS
+    return min(threads, len(groups)) if small and threads > 1 else 1
+
+
+def _run_groups(fn, groups, lanes: int) -> None:
+    """Call fn(e, s, t) for every group: in order, or spread over `lanes` CPU threads (balanced by rows) with
+    single-threaded ops inside, restoring the process's intra-op thread count afterwards."""
+    if lanes <= 1:
+        for g in groups:
+            fn(*g)
+        return
+    global _POOL
+    if _POOL is None or _POOL._max_workers < lanes:
+        _POOL = ThreadPoolExecutor(max_workers=lanes, thread_name_prefix="megamoe-experts")
+    buckets, load = [[] for _ in range(lanes)], [0] * lanes
+    for g in sorted(groups, key=lambda g: g[1] - g[2]):          # largest first, to the least loaded lane
+        i = load.index(min(load))
+        buckets[i].append(g)
+        load[i] += g[2] - g[1]
+    threads, grad_mode = torch.get_num_threads(), torch.is_grad_enabled()   # grad mode is per thread
+
+    def lane(bucket):
+        with torch.set_grad_enabled(grad_mode):
+            for g in bucket:
+                fn(*g)
+
+    torch.set_num_threads(1)
+    try:
+        for f in [_POOL.submit(lane, b) for b in buckets]:
+            f.result()
+    finally:
+        torch.set_num_threads(threads)
 
 
 class GroupedExpertFFN(torch.autograd.Function):
-    """y[g] = act(x[g] @ w1[e] + b1[e]) @ w2[e] + b2[e] for each contiguous group g of expert e."""
+    """y[g] = act(x[g] @ w1[e] + b1[e]) @ w2[e] + b2[e] for each contiguous group g of expert e.
+
+    Each expert's fc1 -> activation -> fc2 (and its backward) runs back to back while its rows are hot in cache,
+    writing into slices of preallocated buffers (no concatenation)."""
 
     @staticmethod
-    def forward(ctx, x, w1, w2, b1, b2, counts: List[int], activation: str):
-        n_exp = w1.shape[0]
-        equal = len(set(counts)) == 1 and counts[0] > 0
+    def forward(ctx, x, w1, w2, b1, b2, counts: List[int], activation: str, lanes: int):
+        groups = _bounds(counts)
         h = x.new_empty(x.shape[0], w1.shape[2])
-        if equal:
-            c = counts[0]
-            torch.bmm(x.view(n_exp, c, -1), w1, out=h.view(n_exp, c, -1))
-            if b1 is not None:
-                h.view(n_exp, c, -1).add_(b1.unsqueeze(1))
-        else:
-            for e, (s, t) in enumerate(_bounds(counts)):
-                if t > s:
-                    if b1 is None:
-                        torch.mm(x[s:t], w1[e], out=h[s:t])
-                    else:
-                        torch.addmm(b1[e], x[s:t], w1[e], out=h[s:t])
-        a = _act_forward(h, activation)
+        a = x.new_empty(x.shape[0], w2.shape[1])
         y = x.new_empty(x.shape[0], w2.shape[2])
-        if equal:
-            torch.bmm(a.view(n_exp, c, -1), w2, out=y.view(n_exp, c, -1))
-            if b2 is not None:
-                y.view(n_exp, c, -1).add_(b2.unsqueeze(1))
-        else:
-            for e, (s, t) in enumerate(_bounds(counts)):
-                if t > s:
-                    if b2 is None:
-                        torch.mm(a[s:t], w2[e], out=y[s:t])
-                    else:
-                        torch.addmm(b2[e], a[s:t], w2[e], out=y[s:t])
+
+        def expert(e, s, t):
+            if b1 is None:
+                torch.mm(x[s:t], w1[e], out=h[s:t])
+            else:
+                torch.addmm(b1[e], x[s:t], w1[e], out=h[s:t])
+            _act_into(h[s:t], a[s:t], activation)
+            if b2 is None:
+                torch.mm(a[s:t], w2[e], out=y[s:t])
+            else:
+                torch.addmm(b2[e], a[s:t], w2[e], out=y[s:t])
+
+        lanes = _lanes_for(x, groups, w1, lanes)
+        _run_groups(expert, groups, lanes)
         ctx.save_for_backward(x, w1, w2, h, a)
-        ctx.counts, ctx.activation, ctx.equal = counts, activation, equal
+        ctx.groups, ctx.activation, ctx.lanes = groups, activation, lanes
         ctx.has_bias = (b1 is not None, b2 is not None)
         return y
 
     @staticmethod
     def backward(ctx, dy):
         x, w1, w2, h, a = ctx.saved_tensors
-        counts, equal = ctx.counts, ctx.equal
-        n_exp = w1.shape[0]
         dy = dy.contiguous()
-        da = torch.empty_like(a)
-        gw1, gw2 = torch.empty_like(w1), torch.empty_like(w2)
-        if equal:
-            c = counts[0]
-            dyv, av = dy.view(n_exp, c, -1), a.view(n_exp, c, -1)
-            torch.bmm(dyv, w2.transpose(1, 2), out=da.view(n_exp, c, -1))
-            torch.bmm(av.transpose(1, 2), dyv, out=gw2)
-        else:
-            for e, (s, t) in enumerate(_bounds(counts)):
-                if t > s:
-                    torch.mm(dy[s:t], w2[e].t(), out=da[s:t])
-                    torch.mm(a[s:t].t(), dy[s:t], out=gw2[e])
-                else:
-                    gw2[e].zero_()
-        dh = _act_backward(da, h, ctx.activation)
-        del da
         dx = torch.empty_like(x)
-        if equal:
-            dhv = dh.view(n_exp, c, -1)
-            torch.bmm(dhv, w1.transpose(1, 2), out=dx.view(n_exp, c, -1))
-            torch.bmm(x.view(n_exp, c, -1).transpose(1, 2), dhv, out=gw1)
-        else:
-            for e, (s, t) in enumerate(_bounds(counts)):
-                if t > s:
-                    torch.mm(dh[s:t], w1[e].t(), out=dx[s:t])
-                    torch.mm(x[s:t].t(), dh[s:t], out=gw1[e])
-                else:
-                    gw1[e].zero_()
-        gb1 = _group_sums(dh, counts, n_exp) if ctx.has_bias[0] else None
-        gb2 = _group_sums(dy, counts, n_exp) if ctx.has_bias[1] else None
-        return dx, gw1, gw2, gb1, gb2, None, None
+        gw1, gw2 = torch.empty_like(w1), torch.empty_like(w2)
+        gb1 = w1.new_empty(w1.shape[0], w1.shape[2]) if ctx.has_bias[0] else None
+        gb2 = w2.new_empty(w2.shape[0], w2.shape[2]) if ctx.has_bias[1] else None
+        busy = {e for e, _, _ in ctx.groups}
+        for e in range(w1.shape[0]):             # experts without tokens get zero gradients (only those are filled)
+            if e not in busy:
+                for g in (gw1, gw2, gb1, gb2):
+                    if g is not None:
+                        g[e].zero_()
 
+        def expert(e, s, t):
+            da = torch.mm(dy[s:t], w2[e].t())
+            torch.mm(a[s:t].t(), dy[s:t], out=gw2[e])
+            dh = _act_backward(da, h[s:t], ctx.activation)
+            torch.mm(dh, w1[e].t(), out=dx[s:t])
+            torch.mm(x[s:t].t(), dh, out=gw1[e])
+            if gb1 is not None:
+                torch.sum(dh, 0, out=gb1[e])
+            if gb2 is not None:
+                torch.sum(dy[s:t], 0, out=gb2[e])
 
-def _bounds(counts: Sequence[int]):
-    s = 0
-    for c in counts:
-        yield s, s + c
-        s += c
-
-
-def _group_sums(g: torch.Tensor, counts: List[int], n_exp: int) -> torch.Tensor:
-    seg = torch.repeat_interleave(torch.arange(n_exp, device=g.device), torch.tensor(counts, device=g.device))
-    return g.new_zeros(n_exp, g.shape[1]).index_add_(0, seg, g)
+        _run_groups(expert, ctx.groups, ctx.lanes)
+        return dx, gw1, gw2, gb1, gb2, None, None, None
 
 
 class ExpertBank(nn.Module):
     """The experts of one rank. ``forward(x, tokens_per_expert)`` with x sorted into contiguous groups."""
 
     def __init__(self, num_local_experts: int, hidden_size: int, ffn_hidden_size: int, activation: str = "gelu",
-                 bias: bool = False, init_std: float = 0.02, dtype: Optional[torch.dtype] = None, device=None):
+                 bias: bool = False, init_std: float = 0.02, dtype: Optional[torch.dtype] = None, device=None,
+                 cpu_lanes: int = 0):
         super().__init__()
         fc1_out = 2 * ffn_hidden_size if activation == "swiglu" else ffn_hidden_size
         kw = {"dtype": dtype, "device": device}
         self.num_local_experts, self.hidden_size, self.ffn_hidden_size = num_local_experts, hidden_size, ffn_hidden_size
-        self.activation = activation
+        self.activation, self.cpu_lanes = activation, cpu_lanes
         self.w1 = nn.Parameter(torch.empty(num_local_experts, hidden_size, fc1_out, **kw))
         self.w2 = nn.Parameter(torch.empty(num_local_experts, ffn_hidden_size, hidden_size, **kw))
         self.b1 = nn.Parameter(torch.zeros(num_local_experts, fc1_out, **kw)) if bias else None
@@ -151,7 +183,7 @@ class ExpertBank(nn.Module):
     def forward(self, x: torch.Tensor, tokens_per_expert: List[int]) -> torch.Tensor:
         # zero tokens still go through the function: every parameter gets a (zero) gradient on every rank
         return GroupedExpertFFN.apply(x, self.w1, self.w2, self.b1, self.b2, list(tokens_per_expert),
-                                      self.activation)
+                                      self.activation, self.cpu_lanes)
 
     # --- slot API: one expert = one index along dim 0 -------------------------------------------------------
     def expert_params(self) -> Dict[str, nn.Parameter]:

@@ -50,11 +50,13 @@ def test_activations_and_bias(act_bias):
     _check(MoEConfig(num_experts=4, top_k=2, gate="naive", dispatch="capacity", capacity_factor=1.0), act_bias)
 
 
-def test_equal_group_fast_path_matches():
-    # capacity mode with equal per-expert capacity takes the batched-GEMM path
-    cfg = MoEConfig(num_experts=4, top_k=2, gate="naive", dispatch="capacity", capacity_factor=2.0)
-    r = _check(cfg)
-    assert int(r.dropped) == 0
+@pytest.mark.parametrize("lanes", [1, 2, 3])
+def test_cpu_expert_lanes_match_reference(lanes):
+    # experts spread over CPU lanes (threads) must compute exactly what the sequential loop computes
+    torch.set_num_threads(2)
+    cfg = MoEConfig(num_experts=6, top_k=2, gate="naive", cpu_expert_lanes=lanes)
+    _check(cfg, T=64)
+    _check(cfg.replace(dispatch="capacity", capacity_factor=0.8), ("swiglu", True), T=64)
 
 
 def test_all_builtin_gates_are_covered():

@@ -11,9 +11,10 @@ Implementations (all compute the same function of the same x, router weight and 
   pre-sorted contiguous token groups of exactly the sizes the router produced: no gate, no permutation.
 - ``dense MLP``: the dense MLP with the same FLOPs (T tokens, hidden k*F).
 
-Routing: ``balanced`` draws each token's preferred expert uniformly, ``skewed`` from a Zipf(1.2) popularity;
-inputs are noise plus a direction of the preferred expert's router row, so the router (a real softmax top-k
-over x @ Wg^T) sends most tokens where the draw says. Times are medians over ``--repeat`` runs after a warm-up;
+Routing: ``balanced`` draws each token's k preferred experts uniformly, ``skewed`` from a Zipf(1.2) popularity;
+inputs are noise plus the preferred experts' router directions, so the router (a real softmax top-k over
+x @ Wg^T) sends the tokens where the draw says. Times are medians over ``--repeat`` rounds after a warm-up, each
+round running every implementation once (a shared machine's slow phases then hit all alike);
 dispatch-buffer bytes are analytic (the token buffers and masks each implementation allocates to move tokens to
 experts, not counting the expert activations every implementation shares).
 """
@@ -40,14 +41,17 @@ CONFIGS = {
 
 
 def make_inputs(H, F, E, k, T, routing: str, seed: int = 0):
+    """x, router weight and expert weights such that the router's top-k follows per-token preferences drawn
+    uniformly (balanced) or from Zipf(1.2) popularity (skewed): x = noise + decreasing multiples of the
+    preferred experts' (normalised) router rows."""
     g = torch.Generator().manual_seed(seed)
-    if routing == "skewed":
-        pop = 1.0 / torch.arange(1, E + 1, dtype=torch.float64) ** 1.2
-    else:
-        pop = torch.ones(E, dtype=torch.float64)
-    pref = torch.multinomial(pop / pop.sum(), T, replacement=True, generator=g)
+    pop = 1.0 / torch.arange(1, E + 1, dtype=torch.float64) ** (1.2 if routing == "skewed" else 0.0)
+    pref = torch.multinomial((pop / pop.sum()).expand(T, E), k, replacement=False, generator=g)   # [T, k]
     wg = torch.randn(E, H, generator=g) / math.sqrt(H)
-    x = torch.randn(T, H, generator=g) + 3.0 * wg[pref] * math.sqrt(H) / wg.norm(dim=1, keepdim=True)[pref]
+    unit = wg / wg.norm(dim=1, keepdim=True) * math.sqrt(H)
+    x = torch.randn(T, H, generator=g)
+    for j in range(k):
+        x = x + (4.0 - j) * unit[pref[:, j]]
     w1 = torch.randn(E, H, F, generator=g) * 0.02
     w2 = torch.randn(E, F, H, generator=g) * 0.02
     return x, wg, w1, w2
@@ -181,13 +185,21 @@ def dense_mlp(x, k, F_):
 
 
 def timeit(fn: Callable[[], None], repeat: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeat):
-        t = time.perf_counter()
+    return time_interleaved({"f": fn}, repeat)["f"]
+
+
+def time_interleaved(fns: Dict[str, Callable[[], None]], repeat: int) -> Dict[str, float]:
+    """Median time of each callable; rounds run every implementation once, so a slow phase of a shared
+    machine hits all of them alike instead of one."""
+    for fn in fns.values():
         fn()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
+    times = {name: [] for name in fns}
+    for _ in range(repeat):
+        for name, fn in fns.items():
+            t = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t)
+    return {name: statistics.median(ts) for name, ts in times.items()}
 
 
 def run_config(name: str, routing: str, repeat: int, skip_gshard: bool = False, skip_megatron: bool = False,
@@ -195,44 +207,41 @@ def run_config(name: str, routing: str, repeat: int, skip_gshard: bool = False, 
     c = CONFIGS[name]
     H, F_, E, k, T = c["H"], c["F"], c["E"], c["k"], c["T"]
     x, wg, w1, w2 = make_inputs(H, F_, E, k, T, routing)
-    rows = []
-
-    def add(label, step, nbytes, note=""):
-        rows.append(dict(config=name, routing=routing, impl=label, time=timeit(step, repeat), bytes=nbytes,
-                         note=note))
+    impls, notes = {}, {}
 
     floor_step, _, counts = gemm_floor(x, wg, w1, w2, k)
-    add("GEMM floor", floor_step, 0)
+    impls["GEMM floor"] = (floor_step, 0)
     step, nbytes, layer = ours(x, wg, w1, w2, k)
-    if check:   # same function as the peers: compare with megatron or the einsum below
-        with torch.no_grad():
-            y_ours = layer(x)
-    add("ours dropless", step, nbytes)
+    impls["ours dropless"] = (step, nbytes)
+    with torch.no_grad():
+        y_ours = layer(x)
     for cf in (1.0, 2.0):
         step, nbytes, _ = ours(x, wg, w1, w2, k, "capacity", cf)
-        add(f"ours capacity CF={cf:g}", step, nbytes)
+        impls[f"ours capacity CF={cf:g}"] = (step, nbytes)
     if not skip_megatron:
         try:
             step, nbytes, mlayer = megatron(x, wg, w1, w2, k)
-            if check:
+            if check:   # the peer must compute the same function on the same inputs
                 with torch.no_grad():
                     y_meg = mlayer(x.view(T, 1, H))[0].view(T, H)
                 err = float((y_meg - y_ours).abs().max() / y_ours.abs().max())
                 if err > 1e-3:
                     raise AssertionError(f"megatron-core and ours disagree (rel. err {err:.2e})")
-            add("megatron-core MoELayer", step, nbytes)
+            impls["megatron-core MoELayer"] = (step, nbytes)
         except ImportError as e:
-            rows.append(dict(config=name, routing=routing, impl="megatron-core MoELayer", time=float("nan"),
-                             bytes=0, note=f"skipped: {e}"))
+            notes["megatron-core MoELayer"] = f"skipped: {e}"
     if not skip_gshard:
         for cf in (1.0, 2.0):
             step, nbytes, fwd = gshard_einsum(x, wg, w1, w2, k, cf)
-            add(f"gshard einsum CF={cf:g}", step, nbytes)
+            impls[f"gshard einsum CF={cf:g}"] = (step, nbytes)
     step, _ = dense_mlp(x, k, F_)
-    add("dense MLP (same FLOPs)", step, 0)
+    impls["dense MLP (same FLOPs)"] = (step, 0)
+    times = time_interleaved({n: f for n, (f, _) in impls.items()}, repeat)
     skew = max(counts) / (sum(counts) / len(counts))
-    for r in rows:
-        r["max_over_mean"] = skew
+    rows = [dict(config=name, routing=routing, impl=n, time=times[n], bytes=b, note="", max_over_mean=skew)
+            for n, (_, b) in impls.items()]
+    rows += [dict(config=name, routing=routing, impl=n, time=float("nan"), bytes=0, note=v, max_over_mean=skew)
+             for n, v in notes.items()]
     return rows
 
 
