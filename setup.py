@@ -56,7 +56,7 @@ setup(
     extras_require={
         "megatron": MEGATRON,
         "fairseq": FAIRSEQ_RUNTIME_DEPS,
-        "dev": ["pytest", "megatron-core==0.16.1", "matplotlib"],
+        "dev": ["pytest", "megatron-core==0.16.1"],
     },
     entry_points={"console_scripts": ["megamoe=megamoe_plugin.cli:main"]},
 )

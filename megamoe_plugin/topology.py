@@ -137,15 +137,16 @@ class Topology:
         me = dist.get_rank(group)
         gl = (lambda r: dist.get_global_rank(group, r)) if group is not None else (lambda r: r)
         lat, bw = list(self.latency_us), list(self.bandwidth_gbps)
-        result = torch.zeros(2 * self.depth, dtype=torch.float64)
+        device = _comm_device(group)
+        result = torch.zeros(2 * self.depth, dtype=torch.float64, device=device)
         for lvl in range(1, self.depth + 1):
             peer = next((j for j in range(world) if self.level(0, j) == lvl), None)
             if peer is None:
                 continue
             if me in (0, peer):
                 other = peer if me == 0 else 0
-                t_small = _pingpong(me == 0, gl(other), small_bytes, iters, group)
-                t_large = _pingpong(me == 0, gl(other), large_bytes, iters, group)
+                t_small = _pingpong(me == 0, gl(other), small_bytes, iters, device)
+                t_large = _pingpong(me == 0, gl(other), large_bytes, iters, device)
                 if me == 0:
                     alpha = t_small
                     result[2 * (lvl - 1)] = alpha * 1e6
@@ -159,11 +160,20 @@ class Topology:
         return self.with_levels(bw, lat)
 
 
-def _pingpong(initiator: bool, peer: int, nbytes: int, iters: int, group) -> float:
+def _comm_device(group) -> torch.device:
+    """NCCL moves CUDA tensors only; gloo (and the rest) CPU ones."""
+    import torch.distributed as dist
+
+    if "nccl" in str(dist.get_backend(group)).lower():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _pingpong(initiator: bool, peer: int, nbytes: int, iters: int, device) -> float:
     """Median one-way time (half a round trip) of an `nbytes` message between this rank and `peer`."""
     import torch.distributed as dist
 
-    buf = torch.zeros(max(nbytes // 4, 1), dtype=torch.float32)
+    buf = torch.zeros(max(nbytes // 4, 1), dtype=torch.float32, device=device)
     times = []
     for it in range(iters + 1):  # the first round warms the connection up
         t0 = time.perf_counter()
@@ -173,6 +183,8 @@ def _pingpong(initiator: bool, peer: int, nbytes: int, iters: int, group) -> flo
         else:
             dist.recv(buf, peer, group=None)
             dist.send(buf, peer, group=None)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
         if it:
             times.append((time.perf_counter() - t0) / 2)
     times.sort()

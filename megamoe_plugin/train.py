@@ -14,8 +14,8 @@ parsing; an invalid combination is an argparse error (exit status 2) before anyt
 Every ``--log-interval`` steps one line: step, loss, lm loss, aux loss, lr, grad norm, tokens/s, and per MoE layer
 ``L<id> load=[...] bal=<max/mean expert load> drop=<dropped fraction>`` (from ``StatsSink.summary``; the load is
 each expert's fraction of the routed assignments since the last line; ``drop`` counts every assignment not
-computed, which with the default gshard gate includes the second choices that its random routing skips, about a
-third of them, even in dropless dispatch; ``--moe-second-expert-policy all`` keeps them). Eval on the valid split every
+computed; the main job keeps every gshard second choice (``--moe-second-expert-policy all``), so a dropless run
+shows 0; with ``random`` (GShard's random routing) about a third of the second choices are skipped and counted). Eval on the valid split every
 ``--eval-interval`` steps and at the end: loss, perplexity and bits per byte (total bits / bytes predicted; the
 ``<eod>`` targets' bits are counted, they are not counted as bytes).
 
@@ -47,6 +47,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from .cpu_alloc import retain_freed_memory
 from .config import ConfigError, MoEConfig, iter_options
 from .data import build_corpus
 from .layer import collect_aux_loss, moe_layers
@@ -60,7 +61,7 @@ __all__ = ["MAIN_JOB_MOE_DEFAULTS", "CHECKPOINT_FORMAT", "ParallelState", "Train
 
 # MoE options of the main job where they differ from (or restate) MoEConfig's defaults.
 MAIN_JOB_MOE_DEFAULTS: Dict[str, object] = {"num_experts": 8, "gate": "gshard", "top_k": 2, "dispatch": "dropless",
-                                            "aux_loss_coeff": 0.01}
+                                            "aux_loss_coeff": 0.01, "second_expert_policy": "all"}
 CHECKPOINT_FORMAT = "megamoe-train/1"
 MODEL_ARG_NAMES = ("hidden", "layers", "heads", "ffn_hidden", "seq_len", "moe_every", "dropout")
 # MoE options that change the parameters' shapes or placement: a checkpoint only resumes with equal values
@@ -495,6 +496,7 @@ def main(argv: Optional[Sequence[str]] = None) -> TrainResult:
     except ConfigError as err:
         parser.error(str(err))
     torch.set_num_threads(args.threads)
+    retain_freed_memory()      # CPU: reuse large activation/gradient blocks instead of page-faulting them each step
     try:
         ps = init_parallel(cfg.expert_parallel_size)
     except ConfigError as err:

@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from ..config import MoEConfig
+from ..cpu_alloc import retain_freed_memory
 from ..layer import MoELayer
 
 CONFIGS = {
@@ -123,18 +124,20 @@ def gshard_einsum(x, wg, w1, w2, k, cf):
     grad = torch.ones_like(x)
 
     def forward(xv):
+        # fairseq moe-branch / GShard top-k gating: masks [T, E], locations by cumsum, one-hot slots, [T, E, C]
         probs = torch.softmax(xv @ wg_.t(), -1)
         top = torch.topk(probs, k, -1)
         gates = top.values / top.values.sum(-1, keepdim=True) if k > 1 else top.values
         combine = xv.new_zeros(T, E, C)
         taken = torch.zeros(E, dtype=torch.long)
-        for j in range(k):                               # GShard: first choices claim slots first
+        for j in range(k):                               # first choices claim slots before second choices
             mask = F.one_hot(top.indices[:, j], E)       # [T, E]
-            loc = torch.cumsum(mask, 0) - 1 + taken      # position of each token in its expert
+            loc = torch.cumsum(mask, 0) - 1 + taken
             taken = taken + mask.sum(0)
-            keep = (loc < C) & (mask > 0)
-            slot = F.one_hot(loc.clamp(0, C - 1), C) * keep.unsqueeze(-1)   # [T, E, C]
-            combine = combine + gates[:, j, None, None] * slot
+            mask = mask * (loc < C)
+            loc_s = (loc * mask).sum(1)                  # [T]
+            slot = F.one_hot(loc_s, C).to(xv.dtype)      # [T, C]
+            combine = combine + (gates[:, j, None] * mask)[:, :, None] * slot[:, None, :]
         dispatch = (combine > 0).to(xv.dtype)
         expert_in = torch.einsum("tec,th->ech", dispatch, xv)
         h = F.gelu(torch.einsum("ech,ehf->ecf", expert_in, w1_))
@@ -294,8 +297,12 @@ def main(argv: Optional[List[str]] = None) -> List[dict]:
     p.add_argument("--skip-gshard", action="store_true", help="skip the dense-mask einsum (slow, GiB of masks)")
     p.add_argument("--skip-megatron", action="store_true")
     p.add_argument("--output", help="also write the markdown table here")
+    p.add_argument("--no-retain-freed-memory", action="store_true",
+                   help="leave glibc's malloc thresholds alone (every implementation then page-faults its large "
+                        "buffers in every step)")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
+    retained = False if args.no_retain_freed_memory else retain_freed_memory()
     rows = []
     for name in args.configs.split(","):
         if name not in CONFIGS:
@@ -306,8 +313,9 @@ def main(argv: Optional[List[str]] = None) -> List[dict]:
             rows += run_config(name, routing, args.repeat, args.skip_gshard, args.skip_megatron)
     table = format_table(rows)
     summary = "\n".join(targets(rows))
-    header = (f"CPU fp32, {args.threads} thread(s), median of {args.repeat} forward+backward runs, one process. "
-              f"Measured on this machine (torch {torch.__version__}).")
+    header = (f"CPU fp32, {args.threads} thread(s), median of {args.repeat} interleaved forward+backward rounds, one "
+              f"process, glibc malloc {'retaining freed memory' if retained else 'default'} (same for every "
+              f"implementation). Measured on this machine (torch {torch.__version__}).")
     print(header)
     print(table)
     print()
