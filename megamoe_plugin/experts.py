@@ -54,6 +54,7 @@ def _bounds(counts: Sequence[int]) -> List[Tuple[int, int, int]]:
 
 # --- CPU expert lanes: small GEMMs run better side by side, one thread each, than one after another ------------
 _POOL: Optional[ThreadPoolExecutor] = None
+_POOL_SIZE = 0
 SMALL_GROUP_FLOPS = 2.5e8     # below this many multiply-adds per group (x @ w1), lanes beat intra-op threads
 
 
@@ -75,9 +76,9 @@ def _run_groups(fn, groups, lanes: int) -> None:
         for g in groups:
             fn(*g)
         return
-    global _POOL
-    if _POOL is None or _POOL._max_workers < lanes:
-        _POOL = ThreadPoolExecutor(max_workers=lanes, thread_name_prefix="megamoe-experts")
+    global _POOL, _POOL_SIZE
+    if _POOL_SIZE < lanes:
+        _POOL, _POOL_SIZE = ThreadPoolExecutor(max_workers=lanes, thread_name_prefix="megamoe-experts"), lanes
     buckets, load = [[] for _ in range(lanes)], [0] * lanes
     for g in sorted(groups, key=lambda g: g[1] - g[2]):          # largest first, to the least loaded lane
         i = load.index(min(load))

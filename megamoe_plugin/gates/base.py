@@ -14,6 +14,7 @@ argsort, so no dense [T, E] or [T, E, C] mask is built. Capacity is a per-expert
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -131,7 +132,5 @@ def apply_capacity(expert_ids: torch.Tensor, kept: torch.Tensor, capacity: Seque
 def capacity_from_factor(factor: float, num_tokens: int, top_k: int, num_experts: int, min_capacity: int
                          ) -> List[int]:
     """Per-expert capacity ceil(factor * T * k / E), at least `min_capacity`, the same for every expert."""
-    import math
-
     c = max(int(math.ceil(factor * num_tokens * top_k / num_experts)), min_capacity)
     return [c] * num_experts
