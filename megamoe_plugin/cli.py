@@ -3,6 +3,7 @@
     megamoe train [flags]     train the MoE GPT main job (megamoe_plugin.train; ``megamoe train -h`` lists flags)
     megamoe bench [flags]     benchmarks (megamoe_plugin.bench)
     megamoe options           table of every MoE option: flag, type, default, help
+    megamoe topology          a topology's levels and TA-MoE target pattern; --measure times it (torchrun)
 
 Everything after the subcommand is handed to it unparsed (``parse_known_args``), so ``megamoe train -h`` shows the
 trainer's own help.
@@ -61,21 +62,52 @@ def _train(argv: List[str]) -> int:
 
 
 def _bench(argv: List[str]) -> int:
+    from . import bench
+    bench.main(argv)
+    return 0
+
+
+def _topology(argv: List[str]) -> int:
+    """Print a topology, its levels and TA-MoE's target dispatch pattern; --measure times it (under torchrun)."""
+    import torch
+    import torch.distributed as dist
+
+    from .gates import target_dispatch_pattern
+    from .topology import Topology
+
+    p = argparse.ArgumentParser(prog="megamoe topology", description=_topology.__doc__)
+    p.add_argument("--moe-topology", default="", help="Nested list; default: from WORLD_SIZE / LOCAL_WORLD_SIZE.")
+    p.add_argument("--moe-topology-bandwidth-gbps", default="", help="Comma list per level, innermost first.")
+    p.add_argument("--moe-topology-latency-us", default="", help="Comma list per level, innermost first.")
+    p.add_argument("--measure", action="store_true", help="Ping-pong over a gloo group (launch with torchrun).")
+    args = p.parse_args(argv)
+    floats = lambda t: [float(v) for v in t.split(",")] if t else None   # noqa: E731
+    kw = dict(bandwidth_gbps=floats(args.moe_topology_bandwidth_gbps), latency_us=floats(args.moe_topology_latency_us))
     try:
-        from . import bench
-    except ModuleNotFoundError as err:
-        if err.name != f"{__package__}.bench":
-            raise
-        print("megamoe bench: megamoe_plugin.bench is not available in this installation", file=sys.stderr)
-        return 2
-    rc = bench.main(argv)
-    return rc if isinstance(rc, int) else 0
+        topo = Topology.parse(args.moe_topology, **kw) if args.moe_topology else Topology.from_env(**kw)
+    except ValueError as err:
+        p.error(f"--moe-topology: {err}")
+    if args.measure:
+        dist.init_process_group("gloo")
+        topo = topo.measure()
+        if dist.get_rank() != 0:
+            dist.destroy_process_group()
+            return 0
+        dist.destroy_process_group()
+    print(topo)
+    print("levels (0 = same rank):")
+    print(topo.level_matrix())
+    torch.set_printoptions(precision=3)
+    print("TA-MoE target dispatch pattern (row i: where rank i's tokens should go):")
+    print(target_dispatch_pattern(topo, smoothing=0.0).float())
+    return 0
 
 
 _COMMANDS = {
     "train": (_train, "Train the small MoE GPT language model on the embedded corpus (the main job)."),
     "bench": (_bench, "Run the MoE benchmarks (megamoe_plugin.bench)."),
     "options": (_options, "Print the table of all MoE options: flag, type, default, help."),
+    "topology": (_topology, "Print (or --measure under torchrun) a topology and TA-MoE's target pattern."),
 }
 
 

@@ -50,3 +50,11 @@ def test_target_pattern_properties():
     assert smoothed.min() >= 0.5 / 6 - 1e-12                                      # no expert isolated
     homogeneous = target_dispatch_pattern(Topology.parse("[0,1,2,3]"), smoothing=0.0)
     assert torch.allclose(homogeneous, torch.full((4, 4), 0.25, dtype=torch.float64))
+
+
+def test_topology_command_prints_the_target_pattern(capsys):
+    from megamoe_plugin.cli import main
+    assert main(["topology", "--moe-topology", "[[0,1],[2,3]]", "--moe-topology-bandwidth-gbps", "4,1",
+                 "--moe-topology-latency-us", "0,0"]) == 0
+    out = capsys.readouterr().out
+    assert "0.500" in out and "0.125" in out and "[[0,1],[2,3]]" in out
