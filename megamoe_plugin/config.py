@@ -27,6 +27,7 @@ def _opt(default: Any, help: str, choices: Optional[tuple] = None):
 GATE_NAMES = ("naive", "switch", "gshard", "hir", "ta_moe")  # built-ins; gates.register_gate adds more
 DISPATCH_NAMES = ("dropless", "capacity")
 ACTIVATIONS = ("gelu", "relu", "swiglu")
+CPU_GEMMS = ("auto", "onednn", "blas")
 SECOND_EXPERT_POLICIES = ("all", "random")
 
 
@@ -60,6 +61,8 @@ class MoEConfig:
     init_std: float = _opt(0.02, "Std of the normal init of expert and gate weights.")
     cpu_expert_lanes: int = _opt(0, "CPU only: run this many experts side by side, one thread each; 0 = automatic "
                                     "(lanes = intra-op threads when groups are small), 1 = one after another.")
+    cpu_gemm: str = _opt("auto", "CPU only: expert GEMMs through oneDNN's linear kernel or BLAS (torch.mm); auto = "
+                                 "oneDNN for fp32/bf16 when this torch has it.", CPU_GEMMS)
     # --- parallelism and topology --------------------------------------------------------------------------------
     expert_parallel_size: int = _opt(1, "Ranks the experts are sharded over (the expert-parallel group size).")
     world_size: int = _opt(0, "Ranks in the job; 0 = from the launcher (WORLD_SIZE), else 1.")
@@ -125,7 +128,7 @@ class MoEConfig:
             bad("top_k", "the switch gate routes each token to 1 expert; use --moe-top-k=1")
         if self.gate in ("gshard",) and self.top_k != 2:
             bad("top_k", "the gshard gate is top-2; use --moe-top-k=2 (or the naive gate for other k)")
-        for name in ("dispatch", "activation", "second_expert_policy"):
+        for name in ("dispatch", "activation", "second_expert_policy", "cpu_gemm"):
             choices = _field(name).metadata["choices"]
             if getattr(self, name) not in choices:
                 bad(name, f"must be one of {', '.join(choices)}")

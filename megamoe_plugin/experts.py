@@ -10,7 +10,8 @@ the dispatcher's count exchange). ``GroupedExpertFFN`` is a hand-written autogra
 (never over tokens); each expert's fc1 -> activation -> fc2 (and backward) runs back to back while its rows are in
 cache, writing into slices of preallocated output and gradient buffers. On CPU, many small groups run side by
 side on "lanes" (one thread each) instead of one after another with intra-op threads: small GEMMs parallelise
-poorly inside, well across experts (``cpu_expert_lanes``; 0 = automatic).
+poorly inside, well across experts (``cpu_expert_lanes``; 0 = automatic). CPU GEMMs go to oneDNN's linear
+kernel or BLAS (``cpu_gemm``): on this project's machines (AMD EPYC, MKL) oneDNN is markedly faster for fp32.
 """
 from __future__ import annotations
 
@@ -40,6 +41,44 @@ def _act_backward(da: torch.Tensor, h: torch.Tensor, activation: str) -> torch.T
         return da * (h > 0)
     gate, up = h.chunk(2, dim=-1)
     return torch.cat([torch.ops.aten.silu_backward(da * up, gate), da * F.silu(gate)], dim=-1)
+
+
+# --- GEMM backends on CPU: BLAS (torch.mm, MKL here) or oneDNN's linear kernel -----------------------------------
+_ONEDNN_LINEAR = getattr(torch.ops.mkldnn, "_linear_pointwise", None) if torch.backends.mkldnn.is_available() else None
+
+
+def onednn_available() -> bool:
+    return _ONEDNN_LINEAR is not None
+
+
+def _use_onednn(x: torch.Tensor, mode: str) -> bool:
+    """'auto': oneDNN for fp32/bf16 on CPU where the kernel exists (measured on this project's AMD EPYC machines:
+    10-40% faster than MKL's sgemm for the expert shapes); 'onednn' insists; 'blas' never."""
+    if mode == "blas" or x.device.type != "cpu" or x.dtype not in (torch.float32, torch.bfloat16):
+        return False
+    if not onednn_available():
+        if mode == "onednn":
+            raise RuntimeError("--moe-cpu-gemm=onednn: this torch build has no oneDNN linear kernel")
+        return False
+    return True
+
+
+def _mm(a: torch.Tensor, b: torch.Tensor, onednn: bool, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """a @ b (+ bias) as a new tensor."""
+    if onednn:
+        return _ONEDNN_LINEAR(a, b.t(), bias, "none", [], "")
+    return torch.mm(a, b) if bias is None else torch.addmm(bias, a, b)
+
+
+def _mm_into(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, onednn: bool,
+             bias: Optional[torch.Tensor] = None) -> None:
+    """out = a @ b (+ bias), out a slice of a preallocated buffer."""
+    if onednn:
+        out.copy_(_ONEDNN_LINEAR(a, b.t(), bias, "none", [], ""))
+    elif bias is None:
+        torch.mm(a, b, out=out)
+    else:
+        torch.addmm(bias, a, b, out=out)
 
 
 def _bounds(counts: Sequence[int]) -> List[Tuple[int, int, int]]:
@@ -106,33 +145,29 @@ class GroupedExpertFFN(torch.autograd.Function):
     writing into slices of preallocated buffers (no concatenation)."""
 
     @staticmethod
-    def forward(ctx, x, w1, w2, b1, b2, counts: List[int], activation: str, lanes: int):
+    def forward(ctx, x, w1, w2, b1, b2, counts: List[int], activation: str, lanes: int, gemm: str):
         groups = _bounds(counts)
+        onednn = _use_onednn(x, gemm)
         h = x.new_empty(x.shape[0], w1.shape[2])
         a = x.new_empty(x.shape[0], w2.shape[1])
         y = x.new_empty(x.shape[0], w2.shape[2])
 
         def expert(e, s, t):
-            if b1 is None:
-                torch.mm(x[s:t], w1[e], out=h[s:t])
-            else:
-                torch.addmm(b1[e], x[s:t], w1[e], out=h[s:t])
+            _mm_into(x[s:t], w1[e], h[s:t], onednn, None if b1 is None else b1[e])
             _act_into(h[s:t], a[s:t], activation)
-            if b2 is None:
-                torch.mm(a[s:t], w2[e], out=y[s:t])
-            else:
-                torch.addmm(b2[e], a[s:t], w2[e], out=y[s:t])
+            _mm_into(a[s:t], w2[e], y[s:t], onednn, None if b2 is None else b2[e])
 
         lanes = _lanes_for(x, groups, w1, lanes)
         _run_groups(expert, groups, lanes)
         ctx.save_for_backward(x, w1, w2, h, a)
-        ctx.groups, ctx.activation, ctx.lanes = groups, activation, lanes
+        ctx.groups, ctx.activation, ctx.lanes, ctx.onednn = groups, activation, lanes, onednn
         ctx.has_bias = (b1 is not None, b2 is not None)
         return y
 
     @staticmethod
     def backward(ctx, dy):
         x, w1, w2, h, a = ctx.saved_tensors
+        onednn = ctx.onednn
         dy = dy.contiguous()
         dx = torch.empty_like(x)
         gw1, gw2 = torch.empty_like(w1), torch.empty_like(w2)
@@ -146,10 +181,10 @@ class GroupedExpertFFN(torch.autograd.Function):
                         g[e].zero_()
 
         def expert(e, s, t):
-            da = torch.mm(dy[s:t], w2[e].t())
-            torch.mm(a[s:t].t(), dy[s:t], out=gw2[e])
+            da = _mm(dy[s:t], w2[e].t(), onednn)
+            torch.mm(a[s:t].t(), dy[s:t], out=gw2[e])      # weight gradients: BLAS was as fast and needs no copy
             dh = _act_backward(da, h[s:t], ctx.activation)
-            torch.mm(dh, w1[e].t(), out=dx[s:t])
+            _mm_into(dh, w1[e].t(), dx[s:t], onednn)
             torch.mm(x[s:t].t(), dh, out=gw1[e])
             if gb1 is not None:
                 torch.sum(dh, 0, out=gb1[e])
@@ -157,7 +192,7 @@ class GroupedExpertFFN(torch.autograd.Function):
                 torch.sum(dy[s:t], 0, out=gb2[e])
 
         _run_groups(expert, ctx.groups, ctx.lanes)
-        return dx, gw1, gw2, gb1, gb2, None, None, None
+        return dx, gw1, gw2, gb1, gb2, None, None, None, None
 
 
 class ExpertBank(nn.Module):
@@ -165,12 +200,12 @@ class ExpertBank(nn.Module):
 
     def __init__(self, num_local_experts: int, hidden_size: int, ffn_hidden_size: int, activation: str = "gelu",
                  bias: bool = False, init_std: float = 0.02, dtype: Optional[torch.dtype] = None, device=None,
-                 cpu_lanes: int = 0):
+                 cpu_lanes: int = 0, cpu_gemm: str = "auto"):
         super().__init__()
         fc1_out = 2 * ffn_hidden_size if activation == "swiglu" else ffn_hidden_size
         kw = {"dtype": dtype, "device": device}
         self.num_local_experts, self.hidden_size, self.ffn_hidden_size = num_local_experts, hidden_size, ffn_hidden_size
-        self.activation, self.cpu_lanes = activation, cpu_lanes
+        self.activation, self.cpu_lanes, self.cpu_gemm = activation, cpu_lanes, cpu_gemm
         self.w1 = nn.Parameter(torch.empty(num_local_experts, hidden_size, fc1_out, **kw))
         self.w2 = nn.Parameter(torch.empty(num_local_experts, ffn_hidden_size, hidden_size, **kw))
         self.b1 = nn.Parameter(torch.zeros(num_local_experts, fc1_out, **kw)) if bias else None
@@ -184,7 +219,7 @@ class ExpertBank(nn.Module):
     def forward(self, x: torch.Tensor, tokens_per_expert: List[int]) -> torch.Tensor:
         # zero tokens still go through the function: every parameter gets a (zero) gradient on every rank
         return GroupedExpertFFN.apply(x, self.w1, self.w2, self.b1, self.b2, list(tokens_per_expert),
-                                      self.activation, self.cpu_lanes)
+                                      self.activation, self.cpu_lanes, self.cpu_gemm)
 
     # --- slot API: one expert = one index along dim 0 -------------------------------------------------------
     def expert_params(self) -> Dict[str, nn.Parameter]:

@@ -39,7 +39,8 @@ class MoELayer(nn.Module):
             raise ConfigError(f"{flag('expert_ffn_hidden_size')}: no FFN hidden size given")
         self.gate = build_gate(cfg, hidden_size, ep=self.ep, topology=topology)
         self.experts = ExpertBank(cfg.num_local_experts, hidden_size, ffn, cfg.activation, cfg.expert_bias,
-                                  cfg.init_std, dtype=dtype, device=device, cpu_lanes=cfg.cpu_expert_lanes)
+                                  cfg.init_std, dtype=dtype, device=device, cpu_lanes=cfg.cpu_expert_lanes,
+                                  cpu_gemm=cfg.cpu_gemm)
         if device is not None:
             self.gate.to(device)
         self.dropless = DroplessDispatcher(cfg.num_experts, self.ep)

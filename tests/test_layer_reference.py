@@ -61,3 +61,29 @@ def test_cpu_expert_lanes_match_reference(lanes):
 
 def test_all_builtin_gates_are_covered():
     assert set(GATE_K) <= set(registered_gates())
+
+
+@pytest.mark.parametrize("act_bias", [("gelu", False), ("swiglu", True)])
+@pytest.mark.parametrize("lanes", [1, 2])
+def test_onednn_gemms_match_blas_in_fp32(act_bias, lanes):
+    from megamoe_plugin.experts import onednn_available
+    if not onednn_available():
+        pytest.skip("this torch build has no oneDNN linear kernel")
+    torch.manual_seed(0)
+    cfg = MoEConfig(num_experts=6, top_k=2, gate="naive", activation=act_bias[0], expert_bias=act_bias[1],
+                    cpu_expert_lanes=lanes)
+    blas, dnn = MoELayer(cfg.replace(cpu_gemm="blas"), 32, 48), MoELayer(cfg.replace(cpu_gemm="onednn"), 32, 48)
+    dnn.load_state_dict(blas.state_dict())
+    if act_bias[1]:
+        with torch.no_grad():
+            for layer in (blas, dnn):
+                torch.manual_seed(1); layer.experts.b1.normal_(); layer.experts.b2.normal_()
+    x = torch.randn(80, 32)
+    outs = []
+    for layer in (blas, dnn):
+        xi = x.clone().requires_grad_()
+        y = layer(xi)
+        y.square().sum().backward()
+        outs.append([y, xi.grad] + [p.grad for p in layer.parameters()])
+    for a, b in zip(*outs):
+        assert torch.allclose(a, b, rtol=1e-4, atol=1e-5)

@@ -1,7 +1,9 @@
 """`megamoe bench layer`: one process, identical inputs, forward+backward time of MoE layer implementations.
 
 Implementations (all compute the same function of the same x, router weight and expert weights):
-- ``ours dropless``: MoELayer, dynamic gating (argsort + contiguous groups, no capacity).
+- ``ours dropless``: MoELayer, dynamic gating (argsort + contiguous groups, no capacity); its expert GEMMs use
+  oneDNN's kernel where available (``--moe-cpu-gemm auto``); ``ours dropless, BLAS GEMMs`` is the same layer with
+  torch.mm (the BLAS every other row uses), to show what the kernel choice alone is worth.
 - ``ours capacity CF=c``: MoELayer in capacity mode (GShard drop rule, padded per-expert buffers).
 - ``megatron-core``: megatron-core's own MoELayer (dropless, alltoall dispatcher, SequentialMLP), built on CPU
   with the plugin's shims (skipped with a note if megatron-core is not installed).
@@ -66,10 +68,10 @@ def route(x, wg, k):
 
 
 # --- implementations: each returns a callable running one forward+backward, and its dispatch-buffer bytes --------
-def ours(x, wg, w1, w2, k, dispatch="dropless", cf=1.0):
+def ours(x, wg, w1, w2, k, dispatch="dropless", cf=1.0, cpu_gemm="auto"):
     E, H, F_ = w1.shape
     cfg = MoEConfig(num_experts=E, top_k=k, gate="naive", dispatch=dispatch, capacity_factor=cf, min_capacity=0,
-                    aux_loss_coeff=0.0)
+                    aux_loss_coeff=0.0, cpu_gemm=cpu_gemm)
     layer = MoELayer(cfg, H, F_)
     with torch.no_grad():
         layer.gate.weight.copy_(wg); layer.experts.w1.copy_(w1); layer.experts.w2.copy_(w2)
@@ -218,6 +220,8 @@ def run_config(name: str, routing: str, repeat: int, skip_gshard: bool = False, 
     impls["ours dropless"] = (step, nbytes)
     with torch.no_grad():
         y_ours = layer(x)
+    step, nbytes, _ = ours(x, wg, w1, w2, k, cpu_gemm="blas")
+    impls["ours dropless, BLAS GEMMs"] = (step, nbytes)
     for cf in (1.0, 2.0):
         step, nbytes, _ = ours(x, wg, w1, w2, k, "capacity", cf)
         impls[f"ours capacity CF={cf:g}"] = (step, nbytes)
