@@ -1,4 +1,4 @@
-"""TA-MoE's topology-aware auxiliary loss (paper 002 §4; ../shared/notes/ta-moe-loss.md) on a top-k gate.
+"""TA-MoE's topology-aware auxiliary loss (paper 002 §4, and the facts of the authors' release) on a top-k gate.
 
 Derivation of the target dispatch pattern c_hat from a Topology (neither the paper copy nor the released code
 gives it in full; this is ours, following the paper's alpha-beta model):

@@ -1,7 +1,7 @@
 """Runtime shims that let megatron-core run on a CPU-only torch build.
 
 megatron-core (checked against 0.16.1; the 0.19 names are guarded with ``hasattr``)
-assumes CUDA in a handful of places (see /work/shared/notes/environment.md, items
+assumes CUDA in a handful of places (the project's toolchain notes list them as items
 (a)-(h)).  ``install_cpu_shims()`` patches them *at runtime, inside this process*;
 nothing in site-packages is edited.  It is idempotent and does nothing when
 ``torch.cuda.is_available()``.
