@@ -3,7 +3,6 @@ import os
 import sys
 import tempfile
 
-import pytest
 import torch
 import torch.nn.functional as F
 

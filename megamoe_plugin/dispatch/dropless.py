@@ -38,8 +38,7 @@ class DroplessDispatcher:
     def dispatch(self, x: torch.Tensor, routing: Routing) -> Tuple[torch.Tensor, List[int], _State]:
         T, k = routing.expert_ids.shape
         E, P, El = self.num_experts, self.ep.size, self.num_local_experts
-        flat = torch.where(routing.kept, routing.expert_ids, E).reshape(-1)
-        order = torch.argsort(flat, stable=True)
+        order = torch.argsort(routing.masked_ids, stable=True)
         if P == 1:
             send_counts = routing.counts.tolist()
             recv = None

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -36,9 +37,11 @@ class Routing:
     aux_losses: Dict[str, torch.Tensor] = field(default_factory=dict)
     slots: Optional[torch.Tensor] = None  # [T, k] long, position in the expert's capacity buffer (capacity mode)
 
-    @property
-    def num_tokens(self) -> int:
-        return self.expert_ids.shape[0]
+    @cached_property
+    def masked_ids(self) -> torch.Tensor:
+        """[T*k] expert id of every assignment, token-major, with dropped ones set to E (they sort last).
+        Computed once per call: the counts and the dropless dispatcher's argsort both read it."""
+        return masked_expert_ids(self.expert_ids, self.kept, self.counts.numel())
 
     @property
     def top_k(self) -> int:
@@ -96,15 +99,22 @@ class Gate(nn.Module):
         weights = probs.gather(1, ids) * kept
         if self.cfg.normalize_top_k and ids.shape[1] > 1:
             weights = weights / weights.sum(-1, keepdim=True).clamp_min(1e-20)
-        counts = torch.bincount(torch.where(kept, ids, self.num_experts).reshape(-1),
-                                minlength=self.num_experts + 1)[: self.num_experts]
+        flat = masked_expert_ids(ids, kept, self.num_experts)
+        counts = torch.bincount(flat, minlength=self.num_experts + 1)[: self.num_experts]
         dropped = kept.numel() - kept.sum()
-        return Routing(ids, weights.to(x.dtype), kept, counts, dropped, aux, slots)
+        routing = Routing(ids, weights.to(x.dtype), kept, counts, dropped, aux, slots)
+        routing.__dict__["masked_ids"] = flat          # fill the cached property: no second pass
+        return routing
+
+
+def masked_expert_ids(expert_ids: torch.Tensor, kept: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """Flattened (token-major) expert ids with unkept assignments replaced by the sentinel `num_experts`."""
+    return torch.where(kept, expert_ids, num_experts).reshape(-1)
 
 
 def assignment_fractions(expert_ids: torch.Tensor, kept: torch.Tensor, num_experts: int) -> torch.Tensor:
     """f_e: fraction of the token's (kept) choices going to each expert, [E] float (no gradient)."""
-    flat = torch.where(kept, expert_ids, num_experts).reshape(-1)
+    flat = masked_expert_ids(expert_ids, kept, num_experts)
     counts = torch.bincount(flat, minlength=num_experts + 1)[:num_experts].float()
     return counts / max(expert_ids.numel(), 1)
 
@@ -118,7 +128,7 @@ def apply_capacity(expert_ids: torch.Tensor, kept: torch.Tensor, capacity: Seque
     T, k = expert_ids.shape
     num_experts = len(capacity)
     cap = torch.tensor(list(capacity) + [0], dtype=torch.long, device=expert_ids.device)
-    flat = torch.where(kept, expert_ids, num_experts).t().reshape(-1)     # choice-major priority order
+    flat = masked_expert_ids(expert_ids.t(), kept.t(), num_experts)      # choice-major priority order
     order = torch.argsort(flat, stable=True)
     sorted_ids = flat[order]
     counts = torch.bincount(flat, minlength=num_experts + 1)
