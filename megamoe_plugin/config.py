@@ -78,6 +78,10 @@ class MoEConfig:
                                         "dispatch pattern (guards against expert isolation), in [0, 1].")
     ta_moe_exchange_mb: float = _opt(64.0, "ta_moe gate: bytes (MB) a rank sends per all-to-all, used by the "
                                            "alpha-beta model that derives the target dispatch pattern.")
+    # --- placement (between optimizer steps) ----------------------------------------------------------------------
+    placement_policy: str = _opt("none", "Policy run after every optimizer step on every rank: none, a name "
+                                         "added with @register_placement_policy, or package.module:attr.")
+    placement_interval: int = _opt(1, "Run the placement policy every this many optimizer steps.")
     # --- observability -------------------------------------------------------------------------------------------
     trace_path: str = _opt("", "Write routing traces (per layer and step [source rank x expert] counts) here.")
     trace_token_ids: bool = _opt(False, "Also record every token's expert ids in the trace (larger files).")
@@ -155,6 +159,10 @@ class MoEConfig:
             bad("expert_parallel_size", "must be >= 1")
         if self.num_experts % self.expert_parallel_size:
             bad("num_experts", f"must be divisible by --moe-expert-parallel-size={self.expert_parallel_size}")
+        if self.placement_interval < 1:
+            bad("placement_interval", "must be >= 1")
+        if not self.placement_policy:
+            bad("placement_policy", "must not be empty (use 'none')")
         if self.world_size < 0:
             bad("world_size", "must be >= 0")
         world = self.resolved_world_size()

@@ -17,9 +17,9 @@ import torch
 import torch.nn as nn
 
 from .config import ConfigError, MoEConfig, flag
-from .dispatch import CapacityDispatcher, DroplessDispatcher
+from .dispatch.plan import DispatchPlan
 from .experts import ExpertBank
-from .gates import build_gate, capacity_from_factor
+from .gates import build_gate
 from .parallel import expert_parallel
 from .stats import StatsSink
 
@@ -43,41 +43,32 @@ class MoELayer(nn.Module):
                                   cpu_gemm=cfg.cpu_gemm)
         if device is not None:
             self.gate.to(device)
-        self.dropless = DroplessDispatcher(cfg.num_experts, self.ep)
-        self.capacity_dispatch = CapacityDispatcher(cfg.num_experts, self.ep)
+        self.plan = DispatchPlan(cfg, self.ep)
         self.stats = stats if stats is not None else StatsSink()
-        self.expert_capacity: Optional[List[int]] = None
         self.aux_loss: torch.Tensor = torch.zeros(())
         self.aux_losses = {}
         self.last_routing = None
 
-    # --- capacity ------------------------------------------------------------------------------------------------
+    # --- capacity (the rules live in DispatchPlan) ----------------------------------------------------------------
+    @property
+    def dropless(self):
+        return self.plan.dropless
+
+    @property
+    def capacity_dispatch(self):
+        return self.plan.capacity_dispatch
+
+    @property
+    def expert_capacity(self) -> Optional[List[int]]:
+        return self.plan.expert_capacity
+
     def set_expert_capacity(self, capacity: Optional[Sequence[int]]) -> None:
         """Fix each expert's capacity (per source rank), or None to go back to the capacity factor."""
-        if capacity is not None:
-            capacity = [int(c) for c in capacity]
-            if len(capacity) != self.cfg.num_experts or min(capacity) < 0:
-                raise ValueError(f"expert capacity needs {self.cfg.num_experts} non-negative ints, got {capacity}")
-        self.expert_capacity = capacity
+        self.plan.set_expert_capacity(capacity)
 
     def capacity_for(self, num_tokens: int) -> Optional[List[int]]:
         """Per-expert capacity for this call, or None for dropless dispatch."""
-        cfg = self.cfg
-        if cfg.dispatch != "capacity" or (not self.training and cfg.eval_capacity_factor == 0):
-            return None
-        if self.expert_capacity is not None:
-            return self.expert_capacity
-        factor = cfg.capacity_factor if self.training else cfg.eval_capacity_factor
-        return capacity_from_factor(factor, num_tokens, cfg.top_k, cfg.num_experts, cfg.min_capacity)
-
-    def _source_capacities(self, num_tokens: int, device) -> Optional[List[List[int]]]:
-        """Capacity vector of every rank of the expert-parallel group (None when fixed, hence equal)."""
-        if not self.ep.enabled or self.expert_capacity is not None:
-            return None
-        mine = torch.tensor([num_tokens], device=device)
-        parts = [torch.empty_like(mine) for _ in range(self.ep.size)]
-        torch.distributed.all_gather(parts, mine, group=self.ep.group)
-        return [self.capacity_for(t) for t in torch.cat(parts).tolist()]
+        return self.plan.capacity_for(num_tokens, self.training)
 
     # --- forward -------------------------------------------------------------------------------------------------
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -87,15 +78,8 @@ class MoELayer(nn.Module):
         tokens = x.reshape(-1, self.hidden_size)
         capacity = self.capacity_for(tokens.shape[0])
         routing = self.gate(tokens, capacity=capacity)
-        if capacity is None:
-            expert_in, tokens_per_expert, state = self.dropless.dispatch(tokens, routing)
-            dispatcher = self.dropless
-        else:
-            expert_in, tokens_per_expert, state = self.capacity_dispatch.dispatch(
-                tokens, routing, capacity, self._source_capacities(tokens.shape[0], tokens.device))
-            dispatcher = self.capacity_dispatch
-        expert_out = self.experts(expert_in, tokens_per_expert)
-        y = dispatcher.combine(expert_out, state, routing)
+        expert_in, tokens_per_expert, handle = self.plan.dispatch(tokens, routing, capacity, self.training)
+        y = self.plan.combine(self.experts(expert_in, tokens_per_expert), handle, routing)
         self.aux_losses = routing.aux_losses
         self.aux_loss = routing.aux_loss()
         self.last_routing = routing

@@ -51,36 +51,47 @@ class StatsSink:
     def reset(self) -> None:
         self._counts.clear(); self._dropped.clear(); self._assignments.clear(); self._calls.clear()
 
+    def totals(self) -> Dict[int, tuple]:
+        """Per layer since the last reset: (kept counts [E] tensor, dropped assignments, assignments, calls)."""
+        return {lid: (self._counts[lid], float(self._dropped[lid]), self._assignments[lid], self._calls[lid])
+                for lid in sorted(self._counts)}
+
     def summary(self, group=None, ranks_of_experts: Optional[List[int]] = None, reset: bool = True) -> Dict[int, dict]:
         """Per-layer statistics since the last reset. With `group`, counts are summed over its ranks
         (collective: every rank of the group must call it). `ranks_of_experts[e]` is the rank holding expert e
         (default: contiguous blocks over the group); it defines the devices of the balance ratio."""
         out = {}
-        for layer_id in sorted(self._counts):
-            counts = self._counts[layer_id].double()
-            extra = torch.tensor([float(self._dropped[layer_id]), float(self._assignments[layer_id])],
-                                 dtype=torch.float64, device=counts.device)
+        for layer_id, (counts, dropped, assignments, calls) in self.totals().items():
+            counts = counts.double()
+            extra = torch.tensor([dropped, float(assignments)], dtype=torch.float64, device=counts.device)
             world = 1
             if group is not None and dist.is_initialized():
                 both = torch.cat([counts, extra])
                 dist.all_reduce(both, group=group)
                 counts, extra = both[:-2], both[-2:]
                 world = dist.get_world_size(group)
-            E = counts.numel()
-            owner = ranks_of_experts or [e * world // E for e in range(E)]
-            device_load = torch.zeros(max(max(owner) + 1, world), dtype=torch.float64).index_add_(
-                0, torch.tensor(owner), counts.cpu())
-            total = float(counts.sum())
-            out[layer_id] = {
-                "tokens_per_expert": counts.long().tolist(),
-                "dropped_fraction": float(extra[0]) / max(float(extra[1]), 1.0),
-                "balance_ratio": float(device_load.max() / device_load.mean()) if total > 0 else 1.0,
-                "expert_max_over_mean": float(counts.max() / counts.mean()) if total > 0 else 1.0,
-                "calls": self._calls[layer_id],
-            }
+            out[layer_id] = layer_summary(counts, float(extra[0]), float(extra[1]), ranks_of_experts, world, calls)
         if reset:
             self.reset()
         return out
+
+
+def layer_summary(counts: torch.Tensor, dropped: float, assignments: float, ranks_of_experts: Optional[List[int]],
+                  devices: int, calls: int) -> dict:
+    """Tokens per expert, dropped fraction, balance ratio (paper 001 Eq. 6) and expert max/mean of one layer."""
+    counts = counts.double().cpu()
+    E = counts.numel()
+    owner = ranks_of_experts or [e * devices // E for e in range(E)]
+    device_load = torch.zeros(max(max(owner) + 1, devices), dtype=torch.float64).index_add_(
+        0, torch.tensor(owner), counts)
+    total = float(counts.sum())
+    return {
+        "tokens_per_expert": counts.long().tolist(),
+        "dropped_fraction": dropped / max(assignments, 1.0),
+        "balance_ratio": float(device_load.max() / device_load.mean()) if total > 0 else 1.0,
+        "expert_max_over_mean": float(counts.max() / counts.mean()) if total > 0 else 1.0,
+        "calls": calls,
+    }
 
 
 class TraceRecorder:

@@ -1,0 +1,73 @@
+"""DispatchPlan: per call, choose dropless or capacity dispatch, fix the capacities, run the exchange.
+
+Shared by the core ``MoELayer`` and the trainer adapters (Megatron's token dispatcher wraps it), so the rules live
+in one place:
+- ``dispatch == "dropless"`` (dynamic gating, paper 004 §V), or capacity mode at inference with
+  ``eval_capacity_factor == 0``: no capacity, nothing dropped.
+- capacity mode: each expert's capacity comes from the capacity factor (GShard), unless ``set_expert_capacity``
+  fixed a per-expert vector (dynamic capacity, DynaMoE paper 000 §4.1, changes it between steps).
+- when ranks of the expert-parallel group hold different token counts, the factor gives each a different
+  capacity vector; ``source_capacities`` all-gathers the counts so every rank knows the split sizes.
+"""
+from __future__ import annotations
+
+from typing import List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+
+from ..config import MoEConfig
+from ..gates.base import Routing, capacity_from_factor
+from ..parallel import ExpertParallel
+from .capacity import CapacityDispatcher
+from .dropless import DroplessDispatcher
+
+
+class DispatchPlan:
+    def __init__(self, cfg: MoEConfig, ep: ExpertParallel):
+        self.cfg, self.ep = cfg, ep
+        self.dropless = DroplessDispatcher(cfg.num_experts, ep)
+        self.capacity_dispatch = CapacityDispatcher(cfg.num_experts, ep)
+        self.expert_capacity: Optional[List[int]] = None
+
+    def set_expert_capacity(self, capacity: Optional[Sequence[int]]) -> None:
+        """Fix each expert's capacity (per source rank), or None to go back to the capacity factor."""
+        if capacity is not None:
+            capacity = [int(c) for c in capacity]
+            if len(capacity) != self.cfg.num_experts or min(capacity) < 0:
+                raise ValueError(f"expert capacity needs {self.cfg.num_experts} non-negative ints, got {capacity}")
+        self.expert_capacity = capacity
+
+    def capacity_for(self, num_tokens: int, training: bool) -> Optional[List[int]]:
+        """Per-expert capacity for a call with `num_tokens` tokens, or None for dropless dispatch."""
+        cfg = self.cfg
+        if cfg.dispatch != "capacity" or (not training and cfg.eval_capacity_factor == 0):
+            return None
+        if self.expert_capacity is not None:
+            return self.expert_capacity
+        factor = cfg.capacity_factor if training else cfg.eval_capacity_factor
+        return capacity_from_factor(factor, num_tokens, cfg.top_k, cfg.num_experts, cfg.min_capacity)
+
+    def source_capacities(self, num_tokens: int, device, training: bool) -> Optional[List[List[int]]]:
+        """Capacity vector of every rank of the expert-parallel group (None when fixed, hence equal)."""
+        if not self.ep.enabled or self.expert_capacity is not None:
+            return None
+        mine = torch.tensor([num_tokens], device=device)
+        parts = [torch.empty_like(mine) for _ in range(self.ep.size)]
+        dist.all_gather(parts, mine, group=self.ep.group)
+        return [self.capacity_for(t, training) for t in torch.cat(parts).tolist()]
+
+    def dispatch(self, tokens: torch.Tensor, routing: Routing, capacity: Optional[List[int]], training: bool
+                 ) -> Tuple[torch.Tensor, List[int], tuple]:
+        """tokens [T, H] -> (expert input sorted by local expert, tokens per local expert, handle for combine)."""
+        if capacity is None:
+            expert_in, tokens_per_expert, state = self.dropless.dispatch(tokens, routing)
+            return expert_in, tokens_per_expert, (self.dropless, state)
+        expert_in, tokens_per_expert, state = self.capacity_dispatch.dispatch(
+            tokens, routing, capacity, self.source_capacities(tokens.shape[0], tokens.device, training))
+        return expert_in, tokens_per_expert, (self.capacity_dispatch, state)
+
+    @staticmethod
+    def combine(expert_out: torch.Tensor, handle: tuple, routing: Routing) -> torch.Tensor:
+        dispatcher, state = handle
+        return dispatcher.combine(expert_out, state, routing)

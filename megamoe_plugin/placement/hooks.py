@@ -1,0 +1,104 @@
+"""The after-step hook: what runs on every rank between two optimizer steps, and the placement-policy registry.
+
+FlexMoE (paper 001 §3, Fig. 5) re-places experts *between* optimizer steps, when no gradient is in flight and
+the optimizer state is consistent with the weights; DynaMoE (paper 000 §4) changes capacities at the same point.
+Adapters call ``AfterStepHook.run(model, optimizer, iteration)`` right after ``optimizer.step()`` (Megatron:
+around ``train_step``; fairseq: after ``trainer.train_step``); the hook calls the configured policy every
+``--moe-placement-interval`` steps.
+
+A policy is a callable ``policy(ctx: StepContext) -> None`` (or an object with ``__call__``). Name one with
+``--moe-placement-policy``:
+- ``none`` (default): nothing runs;
+- a name added with ``@register_placement_policy("name")`` (a class or factory taking the MoEConfig);
+- ``package.module:attr``: imported, so a policy can live in the user's code without registering it first.
+"""
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Optional
+
+import torch.nn as nn
+
+from ..config import ConfigError, MoEConfig, flag
+
+_POLICIES: Dict[str, Callable[[MoEConfig], Callable]] = {}
+
+
+def register_placement_policy(name: str):
+    """Decorator: ``@register_placement_policy("flexmoe")`` on a class/factory ``(cfg: MoEConfig) -> policy``."""
+    def deco(factory):
+        if name in _POLICIES or name == "none":
+            raise ValueError(f"placement policy {name!r} is already registered")
+        _POLICIES[name] = factory
+        return factory
+    return deco
+
+
+def registered_placement_policies() -> List[str]:
+    return ["none"] + sorted(_POLICIES)
+
+
+def build_placement_policy(cfg: MoEConfig) -> Optional[Callable]:
+    """The policy object named by ``cfg.placement_policy`` (None for "none"). Errors name the flag."""
+    name = cfg.placement_policy
+    if name in ("", "none"):
+        return None
+    if name in _POLICIES:
+        return _POLICIES[name](cfg)
+    if ":" in name:
+        module, _, attr = name.partition(":")
+        try:
+            factory = getattr(importlib.import_module(module), attr)
+        except (ImportError, AttributeError) as e:
+            raise ConfigError(f"{flag('placement_policy')}={name!r}: cannot import it ({e})") from None
+        return factory(cfg)
+    raise ConfigError(f"{flag('placement_policy')}={name!r}: unknown policy; known: "
+                      f"{', '.join(registered_placement_policies())}, or package.module:attr")
+
+
+@dataclass
+class StepContext:
+    """What a policy sees after an optimizer step."""
+    model: Any                      # the trainer's model (a module or a list of modules, e.g. Megatron chunks)
+    optimizer: Any                  # the trainer's optimizer (torch, Megatron or fairseq wrapper)
+    iteration: int                  # optimizer steps done so far (1 after the first step)
+    moe_layers: List[nn.Module]     # the model's MoE layers (core MoELayer or adapter layers), in order
+    extra: Dict[str, Any] = field(default_factory=dict)   # adapter-specific (e.g. Megatron's process groups)
+
+
+class AfterStepHook:
+    """Runs the configured policy (and any extra callbacks) after optimizer steps."""
+
+    def __init__(self, cfg: MoEConfig, policy: Optional[Callable] = None):
+        self.cfg = cfg
+        self.policy = policy if policy is not None else build_placement_policy(cfg)
+        self.callbacks: List[Callable[[StepContext], None]] = []
+        self.calls = 0
+
+    def add(self, fn: Callable[[StepContext], None]) -> None:
+        self.callbacks.append(fn)
+
+    @property
+    def active(self) -> bool:
+        return self.policy is not None or bool(self.callbacks)
+
+    def run(self, model, optimizer, iteration: int, moe_layers: Optional[List[nn.Module]] = None, **extra) -> bool:
+        """Call after ``optimizer.step()`` on every rank. Returns True when something ran."""
+        if not self.active or iteration % max(self.cfg.placement_interval, 1):
+            return False
+        if moe_layers is None:
+            moe_layers = find_moe_layers(model)
+        ctx = StepContext(model, optimizer, iteration, moe_layers, dict(extra))
+        if self.policy is not None:
+            self.policy(ctx)
+        for fn in self.callbacks:
+            fn(ctx)
+        self.calls += 1
+        return True
+
+
+def find_moe_layers(model) -> List[nn.Module]:
+    """Modules that own a DispatchPlan (core MoELayer and the adapters' layers), in model order."""
+    models = model if isinstance(model, (list, tuple)) else [model]
+    return [m for mod in models for m in mod.modules() if hasattr(m, "plan") and hasattr(m, "set_expert_capacity")]
