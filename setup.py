@@ -37,7 +37,7 @@ def read_readme() -> str:
     return ""
 
 
-MEGATRON = ["megatron-core==0.16.1"]
+MEGATRON = ["megatron-core==0.16.1", "psutil"]   # psutil: megatron-core's dist_checkpointing writer needs it
 # Runtime dependencies of fairseq-fixed==0.12.3.1, which itself must be installed with
 # `pip install --no-deps --no-build-isolation fairseq-fixed==0.12.3.1` (see the module docstring).
 FAIRSEQ_RUNTIME_DEPS = ["hydra-core==1.3.2", "omegaconf==2.3.0", "bitarray", "sacrebleu>=1.4.12", "regex", "tqdm",
@@ -56,7 +56,7 @@ setup(
     extras_require={
         "megatron": MEGATRON,
         "fairseq": FAIRSEQ_RUNTIME_DEPS,
-        "dev": ["pytest", "megatron-core==0.16.1"],
+        "dev": ["pytest"] + MEGATRON,
     },
     entry_points={"console_scripts": ["megamoe=megamoe_plugin.cli:main"]},
 )

@@ -1,4 +1,5 @@
-"""Benchmarks: `megamoe bench layer` (MoE layer implementations, forward+backward, ratios from one run)."""
+"""Benchmarks: `megamoe bench layer` (MoE layer implementations, forward+backward, ratios from one run) and
+`megamoe bench megatron` (one megatron-core MoE transformer layer, ours vs megatron's, forward+backward)."""
 from typing import List, Optional
 
 
@@ -6,10 +7,13 @@ def main(argv: Optional[List[str]] = None):
     import sys
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
-        print("usage: megamoe bench layer [options]   (see: megamoe bench layer --help)")
+        print("usage: megamoe bench {layer,megatron} [options]   (see: megamoe bench layer --help)")
         return None
     what, rest = argv[0], argv[1:]
     if what == "layer":
         from .layer import main as layer_main
         return layer_main(rest)
-    raise SystemExit(f"megamoe bench: unknown benchmark {what!r}; known: layer")
+    if what == "megatron":
+        from .megatron import main as megatron_main
+        return megatron_main(rest)
+    raise SystemExit(f"megamoe bench: unknown benchmark {what!r}; known: layer, megatron")

@@ -594,6 +594,34 @@ def _shim_moe_utils() -> None:
     )
 
 
+# (h) ------------------------------------------------------------------------
+
+
+def _cpu_clip_grad_by_total_norm_fp32(parameters, max_norm, total_norm, use_decoupled_grad: bool = False):
+    """megatron's clip_grad_by_total_norm_fp32 without its ``grad.type() == 'torch.cuda.FloatTensor'`` assert
+    (a string comparison the torch stand-in cannot satisfy); same scaling rule."""
+    if isinstance(parameters, torch.Tensor):
+        parameters = [parameters]
+    grads = []
+    for param in parameters:
+        g = getattr(param, "decoupled_grad", None) if use_decoupled_grad else param.grad
+        if g is not None:
+            if g.dtype not in (torch.float32, torch.bfloat16):
+                raise AssertionError(f"clip_grad_by_total_norm_fp32: grad dtype {g.dtype}")
+            grads.append(g.detach())
+    clip_coeff = max_norm / (total_norm + 1.0e-6)
+    if clip_coeff < 1.0:
+        torch._foreach_mul_(grads, clip_coeff)
+
+
+def _shim_clip_grads() -> None:
+    cg = _import("megatron.core.optimizer.clip_grads")
+    if cg is None:
+        return
+    _replace(cg, "clip_grad_by_total_norm_fp32", _cpu_clip_grad_by_total_norm_fp32,
+             "h:clip_grad_by_total_norm_fp32")
+
+
 # (g) ------------------------------------------------------------------------
 
 
@@ -668,6 +696,7 @@ def install_cpu_shims() -> bool:
         _shim_dispatcher_stream()  # (d)
         _shim_moe_utils()  # (e), (f)
         _shim_torch_norm()  # (g)
+        _shim_clip_grads()  # (h)
         if _IMPORT_HOOK is None:
             _IMPORT_HOOK = _MegatronImportHook()
             sys.meta_path.insert(0, _IMPORT_HOOK)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import warnings
+import logging
 from typing import Any, Callable
 
 from megatron.core.transformer.moe.moe_layer import BaseMoELayer, MoESubmodules
@@ -26,7 +26,12 @@ from .layer import PluginExperts, PluginMoELayer, PluginRouter
 
 # megatron-core 0.16's TransformerLayer passes its process groups only to the exact MoELayer class and warns for any
 # other mlp class; PluginMoELayer then takes the same groups from parallel_state (MoELayer's own fallback).
-warnings.filterwarnings("ignore", message=r"Unknown MLP type: .*ModuleSpec")
+class _QuietUnknownMlp(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "Unknown MLP type" not in record.getMessage()
+
+
+logging.getLogger("megatron.core.transformer.transformer_layer").addFilter(_QuietUnknownMlp())
 
 
 def _mlp_class_and_submodules(mlp):

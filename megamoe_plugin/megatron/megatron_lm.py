@@ -1,0 +1,352 @@
+"""Hooks into Megatron-LM's training loop (``megatron.training``, as ``pretrain_gpt.py`` runs it).
+
+``install_megatron_lm_hooks()`` (idempotent; call it before ``pretrain()``) patches, inside this process only:
+
+1. without CUDA: ``cpu_compat.install_cpu_shims()`` (megatron-core) plus a few ``megatron.training`` adjustments
+   (``initialize`` sees one CPU "device" so model parallelism and the model-parallel RNG tracker are set up;
+   ``Tensor.cuda()`` / ``Module.cuda()`` stay on the CPU; the legacy fused CUDA kernels are not built), so
+   ``pretrain_gpt.py`` runs on CPU with ``--distributed-backend gloo`` (patches/README.md lists the flags). Any
+   torch: without triton, ``batch_invariant_kernels`` (imported unconditionally by ``initialize``) is a stub that
+   refuses ``--batch-invariant-mode``; a checkout without a built dataset helper (``helpers_cpp``, whose ``make``
+   needs pybind11) uses an installed megatron-core's build of the same ``helpers.cpp`` when there is one;
+2. ``megatron.training.initialize.parse_args``: the plugin's flags are added whatever ``extra_args_provider``
+   ``pretrain()`` was given (composed after it; not added twice when that provider already added them, as the
+   ``pretrain_gpt.py`` patch does with ``moe_plugin_extra_args``);
+3. ``megatron.training.initialize.validate_args``: Megatron's validation, then ``validate_moe_plugin_args`` (bad
+   combinations fail at argument validation, before torch.distributed or any model: ``error: <message naming the
+   flag>`` on rank 0's stderr and exit status 2, like argparse; ``args.moe_plugin_config`` is set);
+4. ``megatron.training.training.train_step`` (called by ``train()`` through the module global): after a step whose
+   update was not skipped, ``PluginStepHooks.after_step(model, optimizer, iteration)`` runs on every rank with
+   ``iteration`` = optimizer steps done (``train()`` passes the 0-based ``iteration``/``args.curr_iteration`` and
+   increments it after the step, so this is the value ``training_log`` reports); every ``--log-interval``
+   iterations the per-layer MoE metrics are reduced over all ranks (a collective: every rank calls it), written
+   to Megatron's tensorboard / wandb writers and summarised in one line on rank 0.
+
+The layer spec is substituted by ``spec.moe_plugin_gpt_builder`` around ``gpt_builders.gpt_builder``: the
+``pretrain_gpt.py`` patch passes the wrapped builder to ``model_provider``; the launcher
+(``python -m megamoe_plugin.megatron.launch``) calls ``wrap_gpt_builders()`` before the script imports it.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib
+import importlib.machinery
+import importlib.util
+import inspect
+import os
+import sys
+import types
+from typing import Callable, List, Optional
+
+import torch
+
+from ..config import ConfigError
+from .args import moe_plugin_extra_args
+
+__all__ = ["install_megatron_lm_hooks", "moe_plugin_extra_args", "moe_plugin_gpt_builder", "wrap_gpt_builders",
+           "megatron_lm_hooks_installed", "applied_hooks"]
+
+_INSTALLED = False
+_APPLIED: List[str] = []
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 2 + 3: arguments
+# ---------------------------------------------------------------------------------------------------------------
+
+def _has_plugin_flags(parser) -> bool:
+    return "--moe-plugin" in getattr(parser, "_option_string_actions", {})
+
+
+def _composed_provider(other: Optional[Callable]) -> Callable:
+    """``other``'s flags, then ours unless ``other`` already added them."""
+    from .args import add_moe_plugin_args
+
+    def provider(parser):
+        if other is not None:
+            parser = other(parser) or parser
+        if not _has_plugin_flags(parser):
+            parser = add_moe_plugin_args(parser)
+        return parser
+
+    provider._megamoe_provider = True
+    return provider
+
+
+def _wrap_parse_args(parse_args: Callable) -> Callable:
+    if getattr(parse_args, "_megamoe_wrapped", False):
+        return parse_args
+
+    @functools.wraps(parse_args)
+    def wrapped(extra_args_provider=None, ignore_unknown_args=False, *a, **kw):
+        if not getattr(extra_args_provider, "_megamoe_provider", False):
+            extra_args_provider = _composed_provider(extra_args_provider)
+        return parse_args(extra_args_provider, ignore_unknown_args, *a, **kw)
+
+    wrapped._megamoe_wrapped = True
+    return wrapped
+
+
+def _wrap_validate_args(validate_args: Callable) -> Callable:
+    if getattr(validate_args, "_megamoe_wrapped", False):
+        return validate_args
+
+    @functools.wraps(validate_args)
+    def wrapped(args, *a, **kw):
+        out = validate_args(args, *a, **kw)
+        from .args import validate_moe_plugin_args
+        try:
+            if not torch.cuda.is_available() and getattr(args, "distributed_backend", "gloo") == "nccl":
+                raise ConfigError("--distributed-backend=nccl: this torch has no CUDA; use --distributed-backend "
+                                  "gloo (the megamoe-plugin CPU shims are installed)")
+            validate_moe_plugin_args(args)
+        except ConfigError as e:
+            # Like argparse: one line on stderr (rank 0), exit status 2, before any model is built.
+            if int(os.environ.get("RANK", "0")) == 0:
+                print(f"error: {e}", file=sys.stderr, flush=True)
+            raise SystemExit(2) from None
+        return out
+
+    wrapped._megamoe_wrapped = True
+    return wrapped
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 4: after every optimizer step
+# ---------------------------------------------------------------------------------------------------------------
+
+def _rank() -> int:
+    return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+
+
+def after_train_step(args, model, optimizer, iteration: int) -> None:
+    """What runs on every rank after a successful ``train_step``; ``iteration`` = optimizer steps done."""
+    from .hooks import get_step_hooks
+    hooks = get_step_hooks(args.moe_plugin_config, args.num_layers)
+    hooks.after_step(model, optimizer, iteration=iteration)
+    log_interval = getattr(args, "log_interval", 0) or 0
+    if log_interval > 0 and iteration % log_interval == 0:
+        from megatron.training.global_vars import get_tensorboard_writer, get_wandb_writer
+        from .metrics import format_layer_metrics
+        metrics = hooks.log_metrics(iteration, get_tensorboard_writer(), get_wandb_writer())
+        if _rank() == 0 and metrics:
+            print(f"[megamoe-plugin] iteration {iteration:8d} | {format_layer_metrics(metrics)}", flush=True)
+
+
+def _wrap_train_step(train_step: Callable) -> Callable:
+    if getattr(train_step, "_megamoe_wrapped", False):
+        return train_step
+    sig = inspect.signature(train_step)
+
+    @functools.wraps(train_step)
+    def wrapped(*a, **kw):
+        out = train_step(*a, **kw)
+        from megatron.training.global_vars import get_args
+        args = get_args()
+        if not getattr(args, "moe_plugin", False) or getattr(args, "moe_plugin_config", None) is None:
+            return out
+        # (loss_dict, skipped_iter, should_checkpoint, should_exit, exit_code, grad_norm, ...) in 0.16;
+        # should_exit returns with skipped_iter=True: no optimizer step happened.
+        skipped = bool(out[1]) if isinstance(out, tuple) and len(out) > 1 else False
+        should_exit = bool(out[3]) if isinstance(out, tuple) and len(out) > 3 else False
+        if skipped or should_exit:
+            return out
+        bound = sig.bind_partial(*a, **kw).arguments
+        step0 = bound.get("iteration")
+        if step0 is None:
+            step0 = getattr(args, "curr_iteration", 0)
+        after_train_step(args, bound["model"], bound["optimizer"], int(step0) + 1)
+        return out
+
+    wrapped._megamoe_wrapped = True
+    return wrapped
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the layer spec
+# ---------------------------------------------------------------------------------------------------------------
+
+def moe_plugin_gpt_builder(builder: Callable) -> Callable:
+    """``spec.moe_plugin_gpt_builder`` (imported on use: it pulls in megatron-core): wrap Megatron-LM's
+    ``gpt_builder`` so that with ``--moe-plugin`` the layer spec given to ``GPTModel`` has the plugin's MoE layers."""
+    from .spec import moe_plugin_gpt_builder as wrap
+    return wrap(builder)
+
+
+def wrap_gpt_builders(module=None):
+    """Replace ``gpt_builders.gpt_builder`` (Megatron-LM's root module; must be importable) by the plugin's
+    wrapper, so a later ``from gpt_builders import gpt_builder`` (``pretrain_gpt.py``) gets it. Returns it."""
+    from .spec import moe_plugin_gpt_builder
+    if module is None:
+        module = importlib.import_module("gpt_builders")
+    module.gpt_builder = moe_plugin_gpt_builder(module.gpt_builder)
+    return module.gpt_builder
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 1: megatron.training on CPU (besides cpu_compat's megatron-core shims)
+# ---------------------------------------------------------------------------------------------------------------
+
+def _initialize_torch():
+    """The torch stand-in for ``megatron.training.initialize`` only: there CUDA's presence decides whether model
+    parallelism and the model-parallel RNG tracker are set up at all (``device_count() > 0``) and
+    ``initialize_megatron`` asserts ``torch.cuda.is_available()``; on CPU the stand-in says one device."""
+    from . import cpu_compat
+    base = cpu_compat._cpu_torch()
+    mod = types.ModuleType("torch", base.__doc__)
+    mod.__dict__.update(base.__dict__)
+    cuda = types.ModuleType("torch.cuda", base.cuda.__doc__)
+    cuda.__dict__.update(base.cuda.__dict__)
+    cuda.is_available = lambda: True
+    cuda.device_count = lambda: 1
+    mod.cuda = cuda
+    return mod
+
+
+_BIK = "megatron.core.transformer.custom_layers.batch_invariant_kernels"
+
+
+def _stub_batch_invariant_kernels() -> None:
+    """``megatron.training.initialize`` imports ``enable_batch_invariant_mode`` from a module that imports triton
+    at the top; a CPU-only torch has no triton. Without triton that module is replaced by a stub whose
+    ``enable``/``set`` refuse (``--batch-invariant-mode`` needs triton) and whose queries say "off"."""
+    if _BIK in sys.modules or importlib.util.find_spec("triton") is not None:
+        return
+    stub = types.ModuleType(_BIK, "stand-in for batch_invariant_kernels without triton (megamoe_plugin)")
+
+    def enable_batch_invariant_mode(*a, **kw):
+        raise RuntimeError("--batch-invariant-mode needs triton, which is not installed")
+
+    def set_batch_invariant_mode(enabled: bool = True, *a, **kw):
+        if enabled:
+            enable_batch_invariant_mode()
+        return contextlib.nullcontext()
+
+    stub.enable_batch_invariant_mode = enable_batch_invariant_mode
+    stub.set_batch_invariant_mode = set_batch_invariant_mode
+    stub.disable_batch_invariant_mode = lambda *a, **kw: None
+    stub.is_batch_invariant_mode_enabled = lambda *a, **kw: False
+    stub.__all__ = ["set_batch_invariant_mode", "is_batch_invariant_mode_enabled", "disable_batch_invariant_mode",
+                    "enable_batch_invariant_mode"]
+    sys.modules[_BIK] = stub
+    _APPLIED.append("batch_invariant_kernels stub (no triton)")
+
+
+def _shim_training_on_cpu() -> None:
+    init = importlib.import_module("megatron.training.initialize")
+    if getattr(init.torch, "_megamoe_initialize_torch", False):
+        return
+    t = _initialize_torch()
+    t._megamoe_initialize_torch = True
+    init.torch = t
+    _APPLIED.append("megatron.training.initialize: one CPU 'device'")
+    # `.cuda()` method calls (get_model's `model_module.cuda(torch.cuda.current_device())`, the batch's
+    # `data["tokens"].cuda(non_blocking=True)`, loss buffers, ...) are out of the torch stand-in's reach. A torch
+    # without CUDA can never honour them, so in this process they keep the tensor / module on the CPU.
+    if not getattr(torch.Tensor.cuda, "_megamoe_wrapped", False):
+        def tensor_cuda(self, device=None, non_blocking=False, memory_format=torch.preserve_format):
+            return self
+        tensor_cuda._megamoe_wrapped = True
+        torch.Tensor.cuda = tensor_cuda
+
+        def module_cuda(self, device=None):
+            return self
+        module_cuda._megamoe_wrapped = True
+        torch.nn.Module.cuda = module_cuda
+        _APPLIED.append("Tensor.cuda / Module.cuda -> stay on the CPU (torch without CUDA)")
+    # The legacy fused kernels (CUDA softmax; unused by --transformer-impl local on CPU) are built with nvcc.
+    fk = importlib.import_module("megatron.legacy.fused_kernels")
+    if not getattr(fk.load, "_megamoe_wrapped", False):
+        def load(args):
+            return None
+        load._megamoe_wrapped = True
+        fk.load = load
+        _APPLIED.append("megatron.legacy.fused_kernels.load: nothing to build without CUDA")
+
+
+def _dataset_helpers_fallback() -> None:
+    """``megatron.core.datasets.helpers_cpp`` is a C++ extension Megatron-LM builds at start-up (rank 0 runs
+    ``make``, which needs pybind11). When the checkout has no build and an installed megatron-core wheel of this
+    interpreter carries one built from the same helpers.cpp, load that instead and skip the make."""
+    name = "megatron.core.datasets.helpers_cpp"
+    try:
+        importlib.import_module(name)
+        return
+    except ImportError:
+        pass
+    import megatron.core.datasets as ds
+    here = [os.path.realpath(p) for p in ds.__path__]
+
+    def source(d):
+        try:
+            with open(os.path.join(d, "helpers.cpp"), "rb") as f:
+                return f.read()
+        except OSError:
+            return None
+
+    ours = source(here[0])
+    for entry in sys.path:
+        d = os.path.join(entry or ".", "megatron", "core", "datasets")
+        if os.path.realpath(d) in here or not os.path.isdir(d) or ours is None or source(d) != ours:
+            continue
+        for suffix in importlib.machinery.EXTENSION_SUFFIXES:
+            so = os.path.join(d, "helpers_cpp" + suffix)
+            if os.path.isfile(so):
+                spec = importlib.util.spec_from_file_location(name, so)
+                mod = importlib.util.module_from_spec(spec)
+                spec.loader.exec_module(mod)
+                sys.modules[name] = mod
+                ds.helpers_cpp = mod
+                utils = importlib.import_module("megatron.core.datasets.utils")
+                original = utils.compile_helpers
+
+                @functools.wraps(original)
+                def compile_helpers():
+                    if name in sys.modules:
+                        return
+                    original()
+
+                utils.compile_helpers = compile_helpers
+                _APPLIED.append(f"dataset helpers from {so}")
+                return
+
+
+# ---------------------------------------------------------------------------------------------------------------
+
+def install_megatron_lm_hooks() -> List[str]:
+    """Install the hooks described in the module docstring (idempotent). Needs ``megatron.training`` importable
+    (a Megatron-LM checkout on ``sys.path``). Returns the labels of what was patched."""
+    global _INSTALLED
+    if _INSTALLED:
+        return list(_APPLIED)
+    if not torch.cuda.is_available():
+        from .cpu_compat import install_cpu_shims
+        install_cpu_shims()
+        _APPLIED.append("cpu_compat shims")
+    _stub_batch_invariant_kernels()
+    init = importlib.import_module("megatron.training.initialize")
+    arguments = importlib.import_module("megatron.training.arguments")
+    training = importlib.import_module("megatron.training.training")
+    if not torch.cuda.is_available():
+        _shim_training_on_cpu()
+        from .cpu_compat import install_cpu_shims
+        install_cpu_shims()   # re-patch megatron.training modules imported just now
+    _dataset_helpers_fallback()
+    for mod in (init, arguments):
+        mod.parse_args = _wrap_parse_args(mod.parse_args)
+        mod.validate_args = _wrap_validate_args(mod.validate_args)
+    _APPLIED.append("parse_args + validate_args")
+    training.train_step = _wrap_train_step(training.train_step)
+    _APPLIED.append("train_step")
+    _INSTALLED = True
+    return list(_APPLIED)
+
+
+def megatron_lm_hooks_installed() -> bool:
+    return _INSTALLED
+
+
+def applied_hooks() -> List[str]:
+    """Labels of what install_megatron_lm_hooks() patched."""
+    return list(_APPLIED)

@@ -1,0 +1,153 @@
+"""Megatron-LM's own ``pretrain_gpt.py`` with the plugin: the patch (patches/pretrain_gpt.py.patch) and the no-patch
+launcher (``python -m megamoe_plugin.megatron.launch``), each on 2 gloo processes (torchrun) with EP=2, a tiny MoE
+GPT on mock data and the test placement policy; plus a bad flag combination refused at argument validation.
+
+Needs ``MEGATRON_LM_DIR``: a Megatron-LM checkout matching the installed megatron-core (core_v0.16.1). It is copied
+to a temporary directory (the patch is applied to the copy; the checkout is never modified). Without it the whole
+module is skipped; ``pytest -rs`` shows the reason.
+"""
+import json
+import math
+import os
+import re
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+SKIP_REASON = "MEGATRON_LM_DIR not set: the Megatron-LM pretrain_gpt.py patch and launcher tests were SKIPPED"
+MEGATRON_LM_DIR = os.environ.get("MEGATRON_LM_DIR", "")
+if not MEGATRON_LM_DIR:
+    pytest.skip(SKIP_REASON, allow_module_level=True)
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+HELPERS = os.path.join(REPO, "tests", "helpers")
+PATCH = os.path.join(REPO, "patches", "pretrain_gpt.py.patch")
+ITERS = 4
+TIMEOUT = 300
+
+# What runs on CPU with gloo (see patches/README.md).
+CPU_ARGS = ["--distributed-backend", "gloo", "--transformer-impl", "local", "--no-gradient-accumulation-fusion",
+            "--no-persist-layer-norm", "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "128",
+            "--eval-interval", "1000", "--eval-iters", "0"]
+TINY_ARGS = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
+             "--max-position-embeddings", "64", "--micro-batch-size", "2", "--global-batch-size", "4",
+             "--train-iters", str(ITERS), "--lr", "1e-3"]
+MOE_ARGS = ["--num-experts", "4", "--moe-router-topk", "2", "--expert-model-parallel-size", "2", "--moe-plugin",
+            "--moe-plugin-gate", "gshard"]
+
+# The recording policy (tests/helpers) reads ``getattr(optimizer, "optimizer", optimizer)``; Megatron-LM's
+# ChainedOptimizer (EP>1: a dense and an expert optimizer) raises AssertionError from that property, so the
+# policy is handed the expert optimizer of the chain here. Everything else is the helper's.
+POLICY_ADAPTER = '''
+import dataclasses
+from recording_policy import RecordingPolicy
+
+
+class ChainedRecordingPolicy(RecordingPolicy):
+    def __call__(self, ctx):
+        chained = getattr(ctx.optimizer, "chained_optimizers", None)
+        if chained is not None and len(chained) > 1:
+            ctx = dataclasses.replace(ctx, optimizer=chained[-1])
+        return super().__call__(ctx)
+'''
+POLICY_ARGS = ["--moe-plugin-placement-policy", "megatron_lm_test_policy:ChainedRecordingPolicy"]
+
+
+@pytest.fixture(scope="module")
+def checkout():
+    assert os.path.isfile(os.path.join(MEGATRON_LM_DIR, "pretrain_gpt.py")), (
+        f"MEGATRON_LM_DIR={MEGATRON_LM_DIR}: no pretrain_gpt.py there (expected a Megatron-LM checkout)")
+    return MEGATRON_LM_DIR
+
+
+def _copy_checkout(src, dst):
+    shutil.copytree(src, dst, symlinks=True, ignore=shutil.ignore_patterns(
+        ".git", "tests", "docs", "images", "examples", "__pycache__", "*.pyc"))
+    return str(dst)
+
+
+def _env(tmp_path, checkout_dir, record_dir):
+    policy_dir = tmp_path / "policy"
+    policy_dir.mkdir(exist_ok=True)
+    (policy_dir / "megatron_lm_test_policy.py").write_text(POLICY_ADAPTER)
+    env = dict(os.environ)
+    env.pop("MEGATRON_LM_DIR", None)
+    env["PYTHONPATH"] = os.pathsep.join(
+        [str(policy_dir), checkout_dir, REPO, HELPERS] + [p for p in [os.environ.get("PYTHONPATH")] if p])
+    env["CUDA_VISIBLE_DEVICES"] = ""
+    env["OMP_NUM_THREADS"] = "1"
+    env["MEGAMOE_RECORD_DIR"] = str(record_dir)
+    return env
+
+
+def _torchrun(cmd_tail, env, cwd):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"] + cmd_tail
+    p = subprocess.run(cmd, env=env, cwd=str(cwd), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                       timeout=TIMEOUT)
+    return p.returncode, p.stdout
+
+
+def _tail(out, n=80):
+    return "\n".join(out.splitlines()[-n:])
+
+
+def _check_training(rc, out, record_dir, log_interval):
+    assert rc == 0, f"pretrain_gpt.py exited with {rc}:\n{_tail(out)}"
+    losses = [float(x) for x in re.findall(r"lm loss: (\S+) \|", out)]
+    assert losses, f"no 'lm loss' printed:\n{_tail(out)}"
+    assert all(math.isfinite(x) for x in losses), losses
+    assert re.search(rf"iteration\s+{ITERS}/\s*{ITERS} \|", out), _tail(out)
+    # The recording policy ran after every optimizer step on both ranks, with iteration = steps done.
+    for rank in (0, 1):
+        path = record_dir / f"rank{rank}.jsonl"
+        assert path.exists(), f"rank {rank} recorded nothing:\n{_tail(out)}"
+        recs = [json.loads(line) for line in path.read_text().splitlines()]
+        assert [r["iteration"] for r in recs] == list(range(1, ITERS + 1)), recs
+        assert all(r["rank"] == rank and r["moe_layers"] == 2 and r["layer_numbers"] == [1, 2] for r in recs), recs
+        assert all(r["optimizer_has_state"] for r in recs), recs
+    # The per-layer metrics summary (rank 0) at every log interval, for both MoE layers.
+    summary = re.findall(r"\[megamoe-plugin\] iteration\s+(\d+) \| L1 bal [0-9.]+ drop [0-9.]+ \| L2 bal", out)
+    assert [int(i) for i in summary] == list(range(log_interval, ITERS + 1, log_interval)), _tail(out)
+
+
+def test_patched_pretrain_gpt(checkout, tmp_path):
+    """(a) git apply the patch to a copy of the checkout; run the patched pretrain_gpt.py itself."""
+    root = _copy_checkout(checkout, tmp_path / "Megatron-LM")
+    p = subprocess.run(["git", "apply", "--verbose", PATCH], cwd=root, stdout=subprocess.PIPE,
+                       stderr=subprocess.STDOUT, text=True)
+    assert p.returncode == 0, p.stdout
+    text = open(os.path.join(root, "pretrain_gpt.py")).read()
+    assert "install_megatron_lm_hooks()" in text and "moe_plugin_gpt_builder(gpt_builder)" in text
+    record = tmp_path / "record"
+    record.mkdir()
+    rc, out = _torchrun([os.path.join(root, "pretrain_gpt.py")] + CPU_ARGS + TINY_ARGS + MOE_ARGS + POLICY_ARGS
+                        + ["--log-interval", "1"], _env(tmp_path, root, record), tmp_path)
+    _check_training(rc, out, record, log_interval=1)
+
+
+def test_launcher_unmodified_pretrain_gpt(checkout, tmp_path):
+    """(b) the same through ``-m megamoe_plugin.megatron.launch`` on an unmodified copy."""
+    root = _copy_checkout(checkout, tmp_path / "Megatron-LM")
+    record = tmp_path / "record"
+    record.mkdir()
+    rc, out = _torchrun(["-m", "megamoe_plugin.megatron.launch", os.path.join(root, "pretrain_gpt.py")]
+                        + CPU_ARGS + TINY_ARGS + MOE_ARGS + POLICY_ARGS + ["--log-interval", "2"],
+                        _env(tmp_path, root, record), tmp_path)
+    _check_training(rc, out, record, log_interval=2)
+    with open(os.path.join(root, "pretrain_gpt.py")) as f:
+        assert "megamoe" not in f.read()
+
+
+def test_bad_flag_combination_fails_at_validation(checkout, tmp_path):
+    """(c) --moe-plugin-gate switch with --moe-router-topk 2: refused after Megatron's validate_args, before
+    torch.distributed is initialised or any model is built."""
+    root = _copy_checkout(checkout, tmp_path / "Megatron-LM")
+    args = [a if a != "gshard" else "switch" for a in MOE_ARGS]
+    rc, out = _torchrun(["-m", "megamoe_plugin.megatron.launch", os.path.join(root, "pretrain_gpt.py")]
+                        + CPU_ARGS + TINY_ARGS + args, _env(tmp_path, root, tmp_path), tmp_path)
+    assert rc != 0, _tail(out)
+    assert re.search(r"error: megamoe-plugin: --moe-router-topk=2: the switch gate routes each token to 1 expert; "
+                     r"use --moe-router-topk=1", out), _tail(out)
+    assert "building GPT model" not in out and "initializing torch distributed" not in out, _tail(out)
