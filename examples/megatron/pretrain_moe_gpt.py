@@ -195,12 +195,13 @@ def save_checkpoint(args, iteration, model, optimizer, scheduler):
     if dist.get_rank() == 0:
         os.makedirs(path, exist_ok=True)
     dist.barrier()
+    # RNG states first: saving must not change what the next step draws
+    extra = {"iteration": iteration, "scheduler": scheduler.state_dict(),
+             "rng": {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state(),
+                     "tracker": get_cuda_rng_tracker().get_states()}}
     model_sd = model.module.sharded_state_dict()
     dist_checkpointing.save({"model": model_sd, "optimizer": optimizer.sharded_state_dict(model_sd)}, path)
-    torch.save({"iteration": iteration, "scheduler": scheduler.state_dict(),
-                "rng": {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state(),
-                        "tracker": get_cuda_rng_tracker().get_states()}},
-               os.path.join(path, f"extra_rank{dist.get_rank()}.pt"))
+    torch.save(extra, os.path.join(path, f"extra_rank{dist.get_rank()}.pt"))
     dist.barrier()
     if dist.get_rank() == 0:
         with open(os.path.join(args.save, "latest_checkpointed_iteration.txt"), "w") as f:
@@ -317,7 +318,7 @@ def main(argv=None):
             aux_text = "".join(f" | {k} {v / window:.4f}" for k, v in aux_window.items())
             ms = (time.time() - t0) * 1000 / window
             tokens = args.global_batch_size * args.seq_length * window / (time.time() - t0)
-            print0(f" iteration {iteration:6d}/{args.train_iters} | lm loss {window_loss / window:.4f}{aux_text} | "
+            print0(f" iteration {iteration:6d}/{args.train_iters} | lm loss {window_loss / window:.5f}{aux_text} | "
                    f"lr {scheduler.get_lr(optimizer.param_groups[0]):.2e} | grad norm {float(grad_norm or 0):.3f} | "
                    f"{ms:.0f} ms/it | {tokens:.0f} tokens/s{moe}")
             t0, window, window_loss, aux_window = time.time(), 0, 0.0, {}

@@ -26,7 +26,8 @@ Two mechanisms are used:
    names that are undefined without Transformer Engine).  A replaced function is also
    rebound in every loaded megatron module that imported it by name.
 
-Not covered: ``tensor.cuda()`` / ``tensor.to("cuda")`` method calls, CUDA graphs,
+``tensor.cuda()`` / ``module.cuda()`` keep things on the CPU (only on a torch build without CUDA, where they could
+never succeed). Not covered: ``tensor.to("cuda")``, CUDA graphs,
 ``torch.autocast("cuda")``, anything needing NCCL.
 """
 
@@ -614,6 +615,25 @@ def _cpu_clip_grad_by_total_norm_fp32(parameters, max_norm, total_norm, use_deco
         torch._foreach_mul_(grads, clip_coeff)
 
 
+def _shim_cuda_methods() -> None:
+    """``tensor.cuda()`` / ``module.cuda()`` calls in megatron (e.g. the tied embedding's ``weight.data.cuda()``
+    before the pipeline all-reduce, Megatron-LM's ``model_module.cuda(...)``) are out of the torch stand-in's
+    reach. A torch build without CUDA can never honour them, so they keep the tensor / module on the CPU."""
+    if getattr(torch.Tensor.cuda, "_megamoe_wrapped", False):
+        return
+
+    def tensor_cuda(self, device=None, non_blocking=False, memory_format=torch.preserve_format):
+        return self
+
+    def module_cuda(self, device=None):
+        return self
+
+    tensor_cuda._megamoe_wrapped = module_cuda._megamoe_wrapped = True
+    torch.Tensor.cuda = tensor_cuda
+    torch.nn.Module.cuda = module_cuda
+    _APPLIED.append("h:Tensor.cuda / Module.cuda stay on the CPU (torch without CUDA)")
+
+
 def _shim_clip_grads() -> None:
     cg = _import("megatron.core.optimizer.clip_grads")
     if cg is None:
@@ -697,6 +717,7 @@ def install_cpu_shims() -> bool:
         _shim_moe_utils()  # (e), (f)
         _shim_torch_norm()  # (g)
         _shim_clip_grads()  # (h)
+        _shim_cuda_methods()  # (h)
         if _IMPORT_HOOK is None:
             _IMPORT_HOOK = _MegatronImportHook()
             sys.meta_path.insert(0, _IMPORT_HOOK)

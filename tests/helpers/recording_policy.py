@@ -26,7 +26,12 @@ class RecordingPolicy:
             chain = getattr(opt, "chained_optimizers", None) or [opt]
             inners = [getattr(o, "optimizer", o) for o in chain]
             has_state = any(len(getattr(i, "state", {})) > 0 for i in inners)
-        rec = {"rank": rank, "iteration": ctx.iteration, "optimizer": type(opt).__name__,
+        params = {}
+        models = ctx.model if isinstance(ctx.model, (list, tuple)) else [ctx.model]
+        for m in models:
+            for n, p in m.named_parameters():
+                params[n] = float(p.detach().float().norm())
+        rec = {"rank": rank, "param_norms": params, "iteration": ctx.iteration, "optimizer": type(opt).__name__,
                "moe_layers": len(ctx.moe_layers), "expert_w1_norms": norms, "optimizer_has_state": has_state,
                "layer_numbers": [getattr(m, "layer_number", None) for m in ctx.moe_layers]}
         if self.dir:

@@ -1,0 +1,88 @@
+"""The megatron-core example trainer (examples/megatron/pretrain_moe_gpt.py) with --moe-plugin, for real: torchrun,
+2 gloo processes, megatron-core's DDP, optimizer, schedules, datasets and dist_checkpointing.
+
+- EP=2 and PP=2 (MoE layers in both stages): loss finite and falling; the placement hook ran after every step on
+  every rank (the recording policy in tests/helpers writes what it saw).
+- TP=2 + sequence parallel, EP=1: save at iteration 2, restart from it, the next steps' losses equal those of the
+  uninterrupted run.
+"""
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = os.path.join(REPO, "examples", "megatron", "pretrain_moe_gpt.py")
+HELPERS = os.path.join(REPO, "tests", "helpers")
+TINY = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
+        "--micro-batch-size", "4", "--log-interval", "1", "--lr", "3e-3", "--corpus-bytes", "300000",
+        "--num-experts", "4", "--moe-router-topk", "2", "--moe-aux-loss-coeff", "0.01", "--hidden-dropout", "0",
+        "--attention-dropout", "0", "--moe-plugin"]
+LINE = re.compile(r"iteration\s+(\d+)/\d+ \| lm loss ([0-9.naninf]+)")
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("corpus"))
+
+
+def run(nproc, args, cache, record_dir=None, timeout=420):
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join([HELPERS, REPO, os.environ.get("PYTHONPATH", "")]))
+    if record_dir:
+        env["MEGAMOE_RECORD_DIR"] = str(record_dir)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", SCRIPT,
+           *TINY, "--data-cache-path", cache, *args]
+    p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=REPO)
+    out = p.stdout + p.stderr
+    assert p.returncode == 0, out[-4000:]
+    return {int(i): float(v) for i, v in LINE.findall(p.stdout)}, out
+
+
+def records(record_dir, rank):
+    with open(os.path.join(record_dir, f"rank{rank}.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+@pytest.mark.parametrize("layout", [["--expert-model-parallel-size", "2"],
+                                    ["--pipeline-model-parallel-size", "2", "--moe-layer-freq", "1"]],
+                         ids=["EP2", "PP2"])
+def test_trainer_two_processes_loss_falls_and_hook_runs(layout, cache, tmp_path):
+    iters = 8
+    losses, out = run(2, [*layout, "--train-iters", str(iters), "--moe-plugin-placement-policy",
+                          "recording_policy:RecordingPolicy"], cache, record_dir=tmp_path)
+    assert sorted(losses) == list(range(1, iters + 1)), out[-3000:]
+    assert all(math.isfinite(v) for v in losses.values())
+    assert losses[iters] < losses[1] - 0.2, losses
+    for rank in range(2):
+        recs = records(tmp_path, rank)
+        assert [r["iteration"] for r in recs] == list(range(1, iters + 1))
+        assert all(r["moe_layers"] >= 1 and r["optimizer_has_state"] for r in recs)
+        norms = [r["expert_w1_norms"][0] for r in recs]
+        assert len(set(norms)) > 1          # the hook saw the weights after each update
+    if "--pipeline-model-parallel-size" in layout:   # one MoE layer per stage: layer numbers 1 and 2
+        assert records(tmp_path, 0)[0]["layer_numbers"] == [1]
+        assert records(tmp_path, 1)[0]["layer_numbers"] == [2]
+
+
+@pytest.mark.parametrize("layout,tol", [
+    (["--expert-model-parallel-size", "2"], 0.0),
+    # TP=2 + SP: the replicated parameters (layernorms, router, experts) of the two tensor-parallel ranks drift
+    # apart at the 1e-6 level during training and the checkpoint keeps TP rank 0's copy, so the resumed losses
+    # match to ~1e-4, not bit for bit (see the closing note of issue 3).
+    (["--tensor-model-parallel-size", "2", "--sequence-parallel", "--expert-tensor-parallel-size", "1"], 5e-4),
+], ids=["EP2-exact", "TP2-SP"])
+def test_checkpoint_resume_next_steps_match(layout, tol, cache, tmp_path):
+    layout = [*layout, "--train-iters", "4", "--moe-input-jitter-eps", "0.01"]
+    full, _ = run(2, layout, cache)
+    ck = str(tmp_path / "ck")
+    first, _ = run(2, [*layout, "--save", ck, "--save-interval", "2", "--exit-interval", "2"], cache)
+    assert sorted(first) == [1, 2] and first[2] == full[2]
+    resumed, out = run(2, [*layout, "--load", ck], cache)
+    assert "loaded checkpoint" in out and sorted(resumed) == [3, 4], out[-3000:]
+    for it in (3, 4):
+        assert abs(resumed[it] - full[it]) <= tol, (resumed, full)
