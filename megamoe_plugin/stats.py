@@ -40,6 +40,11 @@ class StatsSink:
     def record(self, layer_id: int, routing) -> None:
         c = routing.counts.detach()
         self.last[layer_id] = c
+        if layer_id in self._counts and self._counts[layer_id].shape != c.shape:
+            # a different layer now reports under this id (e.g. a model rebuilt with another expert count in the
+            # same process): its statistics start afresh
+            for table in (self._counts, self._dropped, self._assignments, self._calls):
+                table.pop(layer_id, None)
         self._counts[layer_id] = self._counts[layer_id] + c if layer_id in self._counts else c.clone()
         d = routing.dropped.detach()
         self._dropped[layer_id] = self._dropped[layer_id] + d if layer_id in self._dropped else d.clone()

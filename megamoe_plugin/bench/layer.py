@@ -320,11 +320,15 @@ def main(argv: Optional[List[str]] = None) -> List[dict]:
     header = (f"CPU fp32, {args.threads} thread(s), median of {args.repeat} interleaved forward+backward rounds, one "
               f"process, glibc malloc {'retaining freed memory' if retained else 'default'} (same for every "
               f"implementation). Measured on this machine (torch {torch.__version__}).")
-    print(header)
-    print(table)
-    print()
-    print(summary)
-    if args.output:
-        with open(args.output, "w") as f:
-            f.write(header + "\n\n" + table + "\n\n" + summary + "\n")
+    emit_report([header, table, summary], args.output, separators=["\n", "\n\n"])
     return rows
+
+
+def emit_report(parts, output=None, separators=None):
+    """Print a benchmark report's parts (header, table, summary) and, with `output`, write them to that file
+    separated by blank lines."""
+    seps = separators or ["\n\n"] * (len(parts) - 1)
+    print("".join(p + sep for p, sep in zip(parts, seps + [""])), flush=True)
+    if output:
+        with open(output, "w") as f:
+            f.write("\n\n".join(parts) + "\n")

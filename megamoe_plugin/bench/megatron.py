@@ -50,7 +50,7 @@ import torch
 import torch.nn.functional as F
 
 from ..cpu_alloc import retain_freed_memory
-from .layer import make_inputs
+from .layer import emit_report, make_inputs
 
 # S: sequence length, B: micro-batch size (T = S * B tokens), heads: attention heads
 CONFIGS = {
@@ -314,12 +314,5 @@ def main(argv: Optional[List[str]] = None) -> List[dict]:
               f"glibc malloc {'retaining freed memory' if retained else 'default'}; torch {torch.__version__}.")
     table = format_table(rows)
     summary = "\n".join(targets(rows))
-    print(header)
-    print()
-    print(table)
-    print()
-    print(summary)
-    if args.output:
-        with open(args.output, "w") as f:
-            f.write(header + "\n\n" + table + "\n\n" + summary + "\n")
+    emit_report([header, table, summary], args.output)
     return rows
