@@ -28,11 +28,9 @@ class PluginStepHooks:
     def __init__(self, cfg: MoEConfig, num_layers: int, policy=None):
         self.cfg, self.num_layers = cfg, num_layers
         self.after = AfterStepHook(cfg, policy)
-        self.steps_seen: List[int] = []
 
     def after_step(self, model, optimizer, iteration: int, **extra) -> bool:
         """Call on every rank after a successful ``optimizer.step()``; ``iteration`` = steps done so far."""
-        self.steps_seen.append(iteration)
         return self.after.run(model, optimizer, iteration, moe_layers=plugin_layers(model), **extra)
 
     def log_metrics(self, iteration: int, writer=None, wandb_writer=None) -> Dict[int, dict]:

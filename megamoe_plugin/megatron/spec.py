@@ -75,12 +75,6 @@ def _layer_spec(spec, cfg: MoEConfig):
     return dataclasses.replace(spec, submodules=dataclasses.replace(sub, mlp=new_mlp))
 
 
-def count_plugin_layers(spec) -> int:
-    specs = spec if isinstance(spec, (list, tuple)) else getattr(spec, "layer_specs", [spec])
-    return sum(1 for s in specs if _mlp_class_and_submodules(getattr(getattr(s, "submodules", None), "mlp", None))[0]
-               is PluginMoELayer)
-
-
 def moe_plugin_spec(spec: Any, cfg: MoEConfig) -> Any:
     """A copy of a GPT layer spec / block spec / list of layer specs with the plugin in every MoE layer."""
     if isinstance(spec, (list, tuple)):
