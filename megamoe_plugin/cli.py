@@ -3,6 +3,7 @@
     megamoe train [flags]     train the MoE GPT main job (megamoe_plugin.train; ``megamoe train -h`` lists flags)
     megamoe bench [flags]     benchmarks (megamoe_plugin.bench)
     megamoe options           table of every MoE option: flag, type, default, help
+    megamoe fairseq-user-dir  the folder to pass to fairseq-train / fairseq-generate --user-dir
     megamoe topology          a topology's levels and TA-MoE target pattern; --measure times it (torchrun)
 
 Everything after the subcommand is handed to it unparsed (``parse_known_args``), so ``megamoe train -h`` shows the
@@ -103,10 +104,19 @@ def _topology(argv: List[str]) -> int:
     return 0
 
 
+def _fairseq_user_dir(argv: List[str]) -> int:
+    from .fairseq import user_dir
+    argparse.ArgumentParser(prog="megamoe fairseq-user-dir",
+                            description="Print the folder to pass to fairseq's --user-dir.").parse_args(argv)
+    print(user_dir())
+    return 0
+
+
 _COMMANDS = {
     "train": (_train, "Train the small MoE GPT language model on the embedded corpus (the main job)."),
     "bench": (_bench, "Run the MoE benchmarks (megamoe_plugin.bench)."),
     "options": (_options, "Print the table of all MoE options: flag, type, default, help."),
+    "fairseq-user-dir": (_fairseq_user_dir, "Print the folder to pass to fairseq-train's --user-dir."),
     "topology": (_topology, "Print (or --measure under torchrun) a topology and TA-MoE's target pattern."),
 }
 

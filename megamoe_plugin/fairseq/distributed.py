@@ -1,0 +1,108 @@
+"""Expert parallelism inside fairseq's data parallelism: process groups, expert gradients, gradient clipping.
+
+fairseq has one data-parallel (DP) group. The plugin shards each MoE layer's experts over expert-parallel (EP)
+groups of ``--moe-expert-parallel-size`` consecutive DP ranks (default: all of them); ranks with the same position
+in their EP group hold the same experts and form an expert-data-parallel (EDP) group.
+
+Gradients (``sync_expert_grads``, called right after fairseq's own all-reduce): expert parameters carry
+``param.expert = True``, so fairseq's legacy DDP skips them (and c10d DDP ignores them through
+``_ddp_params_and_buffers_to_ignore``). An expert's gradient already sums the contributions of every token of its
+EP group (they reached it through the all-to-all); the plugin sums it over the EDP group and divides by the DP
+size, which is exactly what DDP does to a shared parameter (fairseq then multiplies all gradients by
+DP size / sample size).
+
+Clipping (``clip_grad_norm_``): fairseq's own clipper leaves expert gradients out of the norm. This one computes
+the true global norm: shared parameters once, plus every expert once (squared norms summed over the EP group),
+the same value on every rank.
+"""
+from __future__ import annotations
+
+from typing import Dict, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+_GROUPS: Dict[int, Tuple[object, object]] = {}
+_ACTIVE: Optional[Tuple[object, object, int]] = None   # (ep group, edp group, dp size) of the model being trained
+
+
+def expert_groups(ep_size: int, dp_ranks: Optional[List[int]] = None) -> Tuple[object, object]:
+    """(EP group, EDP group) of this rank for EP size `ep_size` over the DP ranks (default: the whole world).
+    Collective on first use for a given size: every rank must call it. (None, None) when not distributed."""
+    if not (dist.is_available() and dist.is_initialized()):
+        if ep_size > 1:
+            raise RuntimeError(f"expert parallel size {ep_size} needs torch.distributed to be initialised")
+        return None, None
+    if ep_size in _GROUPS:
+        return _GROUPS[ep_size]
+    ranks = dp_ranks if dp_ranks is not None else list(range(dist.get_world_size()))
+    world, me = len(ranks), dist.get_rank()
+    if world % ep_size:
+        raise ValueError(f"expert parallel size {ep_size} does not divide the data-parallel size {world}")
+    ep_group = edp_group = None
+    for g in range(world // ep_size):                      # EP groups: consecutive blocks
+        members = ranks[g * ep_size:(g + 1) * ep_size]
+        grp = dist.new_group(members) if ep_size < world else dist.group.WORLD
+        if me in members:
+            ep_group = grp
+    for i in range(ep_size):                               # EDP groups: same position in every block
+        members = ranks[i::ep_size]
+        grp = dist.new_group(members) if len(members) > 1 else None
+        if me in members:
+            edp_group = grp
+    if ep_size == 1:
+        ep_group = None
+    _GROUPS[ep_size] = (ep_group, edp_group)
+    return ep_group, edp_group
+
+
+def activate(ep_group, edp_group, dp_size: int) -> None:
+    """Record the groups of the model this process trains (one MoE model per process)."""
+    global _ACTIVE
+    _ACTIVE = (ep_group, edp_group, dp_size)
+
+
+def expert_params(module: torch.nn.Module) -> List[torch.nn.Parameter]:
+    return [p for p in module.parameters() if getattr(p, "expert", False) and p.requires_grad]
+
+
+@torch.no_grad()
+def sync_expert_grads(module: torch.nn.Module) -> None:
+    """Sum expert gradients over the EDP group and divide by the DP size (see the module docstring)."""
+    if _ACTIVE is None:
+        return
+    _, edp_group, dp_size = _ACTIVE
+    grads = [p.grad for p in expert_params(module) if p.grad is not None]
+    if not grads:
+        return
+    if edp_group is not None:
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat, group=edp_group)
+        torch._foreach_copy_(grads, [t.view_as(g) for t, g in zip(flat.split([g.numel() for g in grads]), grads)])
+    if dp_size > 1:
+        torch._foreach_div_(grads, float(dp_size))
+
+
+@torch.no_grad()
+def clip_grad_norm_(params, max_norm, aggregate_norm_fn=None, fallback=None) -> torch.Tensor:
+    """fairseq's ``utils.clip_grad_norm_`` with expert gradients in the norm (every expert counted once)."""
+    params = [params] if isinstance(params, torch.Tensor) else list(params)
+    experts = [p.grad for p in params if getattr(p, "grad", None) is not None and hasattr(p, "expert")]
+    if _ACTIVE is None or not experts:
+        return fallback(params, max_norm, aggregate_norm_fn)
+    shared = [p.grad for p in params if getattr(p, "grad", None) is not None and not hasattr(p, "expert")]
+    dev = experts[0].device
+    shared_norm = (torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g, dtype=torch.float32)
+                                                          for g in shared])).to(dev)
+                   if shared else torch.zeros((), device=dev))
+    if aggregate_norm_fn is not None:
+        shared_norm = aggregate_norm_fn(shared_norm)
+    expert_sq = torch.stack([torch.linalg.vector_norm(g, dtype=torch.float32) ** 2 for g in experts]).sum()
+    ep_group = _ACTIVE[0]
+    if ep_group is not None:
+        dist.all_reduce(expert_sq, group=ep_group)
+    total = torch.sqrt(shared_norm.float() ** 2 + expert_sq)
+    if max_norm > 0:
+        coef = (float(max_norm) / (total + 1e-6)).clamp_(max=1)
+        torch._foreach_mul_(shared + experts, coef.to(experts[0].dtype))
+    return total
