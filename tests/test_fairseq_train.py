@@ -189,3 +189,23 @@ def test_bad_flags_stop_before_training(lm_data, tmp_path, flags, needle):
     assert code != 0
     assert needle in out, out[-3000:]
     assert "begin training epoch" not in out
+
+
+def test_expert_groups_inside_data_parallel(lm_data, tmp_path):
+    """4 ranks, --moe-expert-parallel-size 2: two EP groups {0,1}, {2,3}; ranks 0 and 2 (and 1 and 3) hold the same
+    experts and keep them identical (the plugin sums their gradients), shared weights agree everywhere."""
+    rec = tmp_path / "rec"
+    rec.mkdir()
+    _, out = fairseq_cli("train", lm_args(lm_data, tmp_path / "ck", 3, "--distributed-backend", "gloo",
+                                          "--ddp-backend", "legacy_ddp", "--no-save", "--moe-expert-parallel-size",
+                                          "2", "--moe-placement-policy", "recording_policy:RecordingPolicy"),
+                         nproc=4, MEGAMOE_RECORD_DIR=str(rec))
+    assert sorted(updates(out)) == [1, 2, 3], out[-3000:]
+    last = [read_records(rec, r)[-1]["param_norms"] for r in range(4)]
+    for name in last[0]:
+        if ".experts." in name:
+            assert last[0][name] == pytest.approx(last[2][name], rel=1e-6), name
+            assert last[1][name] == pytest.approx(last[3][name], rel=1e-6), name
+            assert abs(last[0][name] - last[1][name]) > 1e-6, name
+        else:
+            assert all(last[r][name] == pytest.approx(last[0][name], rel=1e-6) for r in range(4)), name
