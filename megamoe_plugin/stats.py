@@ -13,7 +13,8 @@ Schema of a shard (``torch.save`` dict, ``schema = "megamoe-trace/1"``):
     steps: LongTensor [S]                      training step of each record row
     counts: IntTensor [S, L, E]                this rank's kept tokens per expert
     token_ids: list (len S) of list (len L) of ShortTensor/IntTensor [T, k] (only with token ids; -1 = dropped)
-``load_trace(path)`` returns a dict with the same keys but ``counts`` [S, L, P, E] (source rank x expert).
+``load_trace(path)`` returns a dict with the same keys but ``counts`` [S, L, P, E] (source rank x expert), over the
+union of the shards' layers (pipeline stages own different layers; a rank without a layer has zero rows).
 """
 from __future__ import annotations
 
@@ -164,10 +165,18 @@ def load_trace(path: str) -> dict:
     for p in parts[1:]:
         if (p["world_size"], p["num_experts"]) != (first["world_size"], first["num_experts"]):
             raise ValueError(f"{path}: shards disagree on world size or expert count")
-        if p["layers"] != first["layers"] or not torch.equal(p["steps"], first["steps"]):
-            raise ValueError(f"{path}: shards disagree on layers or steps")
-    out = {k: first[k] for k in ("schema", "world_size", "num_experts", "top_k", "layers", "steps")}
-    out["counts"] = torch.stack([p["counts"] for p in parts], dim=2)
-    if "token_ids" in first:
-        out["token_ids"] = [p["token_ids"] for p in parts]                   # [P][S][L]
+        if not torch.equal(p["steps"], first["steps"]):
+            raise ValueError(f"{path}: shards disagree on steps")
+    # pipeline stages own different layers: the merged trace has every layer, zero rows for ranks without it
+    layers = sorted({l for p in parts for l in p["layers"]})
+    S, E = len(first["steps"]), first["num_experts"]
+    counts = torch.zeros(S, len(layers), len(parts), E, dtype=first["counts"].dtype)
+    for r, p in enumerate(parts):
+        for j, l in enumerate(p["layers"]):
+            counts[:, layers.index(l), r] = p["counts"][:, j]
+    out = {k: first[k] for k in ("schema", "world_size", "num_experts", "top_k", "steps")}
+    out["layers"], out["counts"] = layers, counts
+    if "token_ids" in first:       # [P][S][L] over the merged layers (None where a rank has no such layer)
+        out["token_ids"] = [[[p["token_ids"][s][p["layers"].index(l)] if l in p["layers"] else None
+                              for l in layers] for s in range(S)] for p in parts]
     return out

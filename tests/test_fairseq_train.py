@@ -83,7 +83,9 @@ def lm_args(data, save_dir, max_update, *extra):
 
 
 def test_lm_single_process_trains_and_logs_moe_metrics(lm_data, tmp_path):
-    _, out = fairseq_cli("train", lm_args(lm_data, tmp_path / "ck", 8, "--moe-gate", "switch"))
+    trace = tmp_path / "trace" / "routing"
+    _, out = fairseq_cli("train", lm_args(lm_data, tmp_path / "ck", 8, "--moe-gate", "switch", "--moe-trace-path",
+                                          str(trace)))
     rows = updates(out)
     assert sorted(rows) == list(range(1, 9)), out[-3000:]
     assert rows[8]["loss"] < rows[1]["loss"] - 1.0, {u: r["loss"] for u, r in rows.items()}
@@ -93,6 +95,10 @@ def test_lm_single_process_trains_and_logs_moe_metrics(lm_data, tmp_path):
         assert r["moe_drop_dec2"] == 0.0           # switch gate, dropless dispatch: nothing dropped
         assert r["moe_load_dec2"] >= 1.0
     assert (tmp_path / "ck" / "checkpoint_last.pt").exists()
+    from megamoe_plugin.stats import load_trace
+    t = load_trace(str(trace))               # training steps only, every token routed to its 1 expert once
+    assert t["steps"].tolist() == list(range(1, 9)) and t["layers"] == [0]
+    assert t["counts"].sum(dim=(1, 2, 3)).tolist() == [8 * 64] * 8
 
 
 def read_records(record_dir, rank):

@@ -53,8 +53,10 @@ def records(record_dir, rank):
                          ids=["EP2", "PP2"])
 def test_trainer_two_processes_loss_falls_and_hook_runs(layout, cache, tmp_path):
     iters = 8
+    trace = str(tmp_path / "trace" / "routing")
     losses, out = run(2, [*layout, "--train-iters", str(iters), "--moe-plugin-placement-policy",
-                          "recording_policy:RecordingPolicy"], cache, record_dir=tmp_path)
+                          "recording_policy:RecordingPolicy", "--moe-plugin-trace-path", trace], cache,
+                      record_dir=tmp_path)
     assert sorted(losses) == list(range(1, iters + 1)), out[-3000:]
     assert all(math.isfinite(v) for v in losses.values())
     assert losses[iters] < losses[1] - 0.2, losses
@@ -64,6 +66,18 @@ def test_trainer_two_processes_loss_falls_and_hook_runs(layout, cache, tmp_path)
         assert all(r["moe_layers"] >= 1 and r["optimizer_has_state"] for r in recs)
         norms = [r["expert_w1_norms"][0] for r in recs]
         assert len(set(norms)) > 1          # the hook saw the weights after each update
+    from megamoe_plugin.stats import load_trace
+    t = load_trace(trace)                     # training forwards only (no eval), labelled by iteration
+    assert t["steps"].tolist() == list(range(1, iters + 1))
+    per_step = t["counts"].sum(dim=(2, 3))    # [steps, layers]: kept token->expert assignments
+    assert (per_step > 0).all()
+    if "--pipeline-model-parallel-size" in layout:   # stage r holds layer r+1: only rank r routes through it
+        assert t["layers"] == [1, 2]
+        assert (t["counts"][:, 0, 1] == 0).all() and (t["counts"][:, 1, 0] == 0).all()
+    else:   # gshard keeps every token's 1st choice and some 2nd choices: T <= kept <= 2T per rank and step,
+        T = 4 * 64                          # T = micro batch 4 x seq 64 (one micro-batch per step and rank)
+        kept = t["counts"].sum(-1)
+        assert ((kept >= T) & (kept <= 2 * T)).all() and (kept < 2 * T).any(), kept
     if "--pipeline-model-parallel-size" in layout:   # one MoE layer per stage: layer numbers 1 and 2
         assert records(tmp_path, 0)[0]["layer_numbers"] == [1]
         assert records(tmp_path, 1)[0]["layer_numbers"] == [2]

@@ -267,6 +267,8 @@ def main(argv=None):
         hooks = get_step_hooks(args.moe_plugin_config, args.num_layers)
 
     start = load_checkpoint(args, model, optimizer, scheduler) if args.load else 0
+    if hooks is not None:
+        hooks.start_iteration(start + 1)        # routing traces label forwards with their iteration
     dp_rank, dp = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
     n_micro = args.global_batch_size // (args.micro_batch_size * dp)
     eval_samples = args.eval_iters * args.global_batch_size

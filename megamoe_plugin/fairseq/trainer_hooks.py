@@ -4,7 +4,8 @@ fairseq has no plugin hook for these, so the user dir wraps a few trainer functi
 unless the model has plugin MoE layers (``model.moe_config``), so other models train exactly as before.
 
 - ``Trainer.__init__``: reject settings that cannot work with sharded experts (``args.check_trainer_settings``).
-- ``Trainer.train_step``: after every successful update, the after-step hook (``--moe-placement-policy``, every
+- ``Trainer.train_step``: routing traces of training steps (``--moe-trace-path``, ``TrainingTrace``); after every
+  successful update, the after-step hook (``--moe-placement-policy``, every
   ``--moe-placement-interval`` updates) with the model, optimizer and update number (FlexMoE paper 001 §3:
   placement changes happen between optimizer steps). An update skipped by the fp16 scaler is not a step.
 - ``FairseqOptimizer.all_reduce_grads`` and ``utils.clip_grad_norm_``: expert gradients (``distributed.py``).
@@ -16,6 +17,7 @@ unless the model has plugin MoE layers (``model.moe_config``), so other models t
 """
 from __future__ import annotations
 
+import atexit
 import functools
 import logging
 from typing import Dict, List, Tuple
@@ -24,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from ..placement import AfterStepHook
+from ..stats import TraceRecorder
 from . import distributed as moe_dist
 from .args import check_trainer_settings
 from .layers import FairseqMoEFFN, gather_experts, moe_ffns, release_gathered
@@ -92,6 +95,25 @@ def slice_expert_optimizer_state(trainer) -> None:
                 st[key] = v[layer.expert_rows()].clone()
 
 
+# --- routing traces of the training steps (--moe-trace-path) -----------------------------------------------------
+class TrainingTrace:
+    """Records every MoE layer's routing during ``train_step`` (not validation) under the update's number; each
+    rank writes its shard ``<path>.rank<r>`` at every checkpoint save and at exit (``stats.load_trace`` merges)."""
+
+    def __init__(self, model, moe):
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        self.recorder = TraceRecorder(moe.trace_path, rank, world, moe.num_experts, moe.top_k, moe.trace_token_ids)
+        self.recording = False
+        for m in moe_ffns(model):
+            m.moe.stats.listeners.append(self)
+        atexit.register(self.recorder.flush)
+
+    def __call__(self, layer_id, routing):
+        if self.recording:
+            self.recorder(layer_id, routing)
+
+
 # --- wrappers ------------------------------------------------------------------------------------------------------
 def _wrap_trainer(Trainer) -> None:
     init, train_step, state_dict, load_checkpoint = (Trainer.__init__, Trainer.train_step, Trainer.state_dict,
@@ -104,11 +126,20 @@ def _wrap_trainer(Trainer) -> None:
         if moe is not None:
             check_trainer_settings(cfg, moe)
             self._megamoe_hook = AfterStepHook(moe)
+            self._megamoe_trace = TrainingTrace(_raw_model(self), moe) if moe.trace_path else None
 
     @functools.wraps(train_step)
     def wrapped_train_step(self, samples, *args, **kwargs):
         before = self.get_num_updates()
-        out = train_step(self, samples, *args, **kwargs)
+        trace = getattr(self, "_megamoe_trace", None)
+        if trace is not None:
+            trace.recorder.next_step(before + 1)
+            trace.recording = True
+        try:
+            out = train_step(self, samples, *args, **kwargs)
+        finally:
+            if trace is not None:
+                trace.recording = False
         hook = getattr(self, "_megamoe_hook", None)
         if hook is not None and self.get_num_updates() > before:
             hook.run(_raw_model(self), self.optimizer, self.get_num_updates(), trainer=self)
@@ -148,6 +179,9 @@ def _wrap_save(checkpoint_utils) -> None:
             gather_experts(_raw_model(trainer))
             if not cfg.no_save_optimizer_state:
                 trainer._megamoe_optimizer_full = gather_expert_optimizer_state(trainer)
+        trace = getattr(trainer, "_megamoe_trace", None)
+        if trace is not None:
+            trace.recorder.flush()
         try:
             return save(cfg, trainer, epoch_itr, val_loss)
         finally:

@@ -10,11 +10,16 @@ every successful update (an update skipped by the fp16 loss scaler is not a step
 """
 from __future__ import annotations
 
+import atexit
 from typing import Dict, List, Optional
+
+import torch
+import torch.distributed as dist
 
 from ..config import MoEConfig
 from ..placement import AfterStepHook
-from .layer import PluginMoELayer
+from ..stats import TraceRecorder
+from .layer import PluginMoELayer, plugin_stats
 from .metrics import collect_layer_metrics, write_layer_metrics
 
 
@@ -28,9 +33,27 @@ class PluginStepHooks:
     def __init__(self, cfg: MoEConfig, num_layers: int, policy=None):
         self.cfg, self.num_layers = cfg, num_layers
         self.after = AfterStepHook(cfg, policy)
+        self.trace: Optional[TraceRecorder] = None
+        if cfg.trace_path:          # routing of training forwards (grad enabled), under the coming iteration
+            rank = dist.get_rank() if dist.is_initialized() else 0
+            world = dist.get_world_size() if dist.is_initialized() else 1
+            self.trace = TraceRecorder(cfg.trace_path, rank, world, cfg.num_experts, cfg.top_k, cfg.trace_token_ids)
+            self.trace.next_step(1)
+            plugin_stats().listeners.append(self._record)
+            atexit.register(self.trace.flush)
+
+    def _record(self, layer_id, routing) -> None:
+        if torch.is_grad_enabled():
+            self.trace(layer_id, routing)
+
+    def start_iteration(self, iteration: int) -> None:
+        """Optional: the iteration number the next training forwards belong to (a resumed run calls it once)."""
+        if self.trace is not None:
+            self.trace.next_step(iteration)
 
     def after_step(self, model, optimizer, iteration: int, **extra) -> bool:
         """Call on every rank after a successful ``optimizer.step()``; ``iteration`` = steps done so far."""
+        self.start_iteration(iteration + 1)
         return self.after.run(model, optimizer, iteration, moe_layers=plugin_layers(model), **extra)
 
     def log_metrics(self, iteration: int, writer=None, wandb_writer=None) -> Dict[int, dict]:
