@@ -130,8 +130,10 @@ def config_from_fairseq(args, world_size: int = 1) -> MoEConfig:
         if name in DERIVED:
             continue
         dest = fairseq_name(name)
-        value = _get(args, dest, OVERRIDES.get(name, (o["default"],))[0])
-        d[name] = (not value) if dest.startswith("moe_no_") else value
+        if dest.startswith("moe_no_"):          # the fairseq flag switches a default-on option off
+            d[name] = not _get(args, dest, False)
+        else:
+            d[name] = _get(args, dest, OVERRIDES.get(name, (o["default"],))[0])
     gate = d["gate"]
     if d["top_k"] in (0, "0"):
         d["top_k"] = 1 if gate == "switch" else 2
@@ -170,6 +172,9 @@ def check_trainer_settings(cfg, moe: MoEConfig) -> None:
     """fairseq settings that cannot work with sharded experts; `cfg` is fairseq's full config. Raised at trainer
     construction, before the first step."""
     dt, common = cfg.distributed_training, cfg.common
+    if getattr(common, "model_parallel_size", 1) > 1:
+        raise ConfigError("megamoe-plugin: --model-parallel-size > 1 with MoE layers is not supported (experts are "
+                          "sharded over fairseq's data-parallel ranks)")
     if getattr(cfg.model, "checkpoint_activations", False) or getattr(cfg.model, "offload_activations", False):
         raise ConfigError("megamoe-plugin: --checkpoint-activations with MoE layers is not supported (the MoE "
                           "layer's all-to-all would run again in the recomputation)")

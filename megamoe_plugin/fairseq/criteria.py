@@ -47,6 +47,7 @@ def moe_aux_and_logs(model, combine: str) -> tuple:
         logs[f"_moe_{m.label}_asg"] = r.expert_ids.numel()
         logs[f"_moe_{m.label}_ep"] = m.ep.size           # divided by the number of summed outputs below
         logs[f"_moe_{m.label}_n"] = 1
+        m.moe.last_routing = None   # read once: a layer LayerDrop skips next time must not report this step again
     return aux, logs
 
 
@@ -69,7 +70,7 @@ def reduce_moe_metrics(logging_outputs: List[dict]) -> None:
     if any("moe_aux_loss" in log for log in logging_outputs):
         metrics.log_scalar("moe_aux", total("moe_aux_loss") / max(sample_size, 1.0), sample_size, round=4)
     experts: Dict[str, Dict[int, float]] = {}
-    for key in (logging_outputs[0].keys() if logging_outputs else ()):
+    for key in sorted({k for log in logging_outputs for k in log}):
         m = _KEY.match(key)
         if m:
             experts.setdefault(m.group(1), {})[int(m.group(2))] = total(key)

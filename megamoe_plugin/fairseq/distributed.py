@@ -22,7 +22,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-_GROUPS: Dict[int, Tuple[object, object]] = {}
+_GROUPS: Dict[tuple, Tuple[object, object]] = {}
 _ACTIVE: Optional[Tuple[object, object, int]] = None   # (ep group, edp group, dp size) of the model being trained
 
 
@@ -33,16 +33,17 @@ def expert_groups(ep_size: int, dp_ranks: Optional[List[int]] = None) -> Tuple[o
         if ep_size > 1:
             raise RuntimeError(f"expert parallel size {ep_size} needs torch.distributed to be initialised")
         return None, None
-    if ep_size in _GROUPS:
-        return _GROUPS[ep_size]
-    ranks = dp_ranks if dp_ranks is not None else list(range(dist.get_world_size()))
+    ranks = list(dp_ranks) if dp_ranks is not None else list(range(dist.get_world_size()))
+    key = (ep_size, tuple(ranks))
+    if key in _GROUPS:
+        return _GROUPS[key]
     world, me = len(ranks), dist.get_rank()
     if world % ep_size:
         raise ValueError(f"expert parallel size {ep_size} does not divide the data-parallel size {world}")
     ep_group = edp_group = None
     for g in range(world // ep_size):                      # EP groups: consecutive blocks
         members = ranks[g * ep_size:(g + 1) * ep_size]
-        grp = dist.new_group(members) if ep_size < world else dist.group.WORLD
+        grp = dist.group.WORLD if members == list(range(dist.get_world_size())) else dist.new_group(members)
         if me in members:
             ep_group = grp
     for i in range(ep_size):                               # EDP groups: same position in every block
@@ -52,7 +53,7 @@ def expert_groups(ep_size: int, dp_ranks: Optional[List[int]] = None) -> Tuple[o
             edp_group = grp
     if ep_size == 1:
         ep_group = None
-    _GROUPS[ep_size] = (ep_group, edp_group)
+    _GROUPS[key] = (ep_group, edp_group)
     return ep_group, edp_group
 
 
