@@ -27,17 +27,7 @@ EXPERTS=${EXPERTS:-4}
 GATE=${GATE:-gshard}
 MAX_BYTES=${MAX_BYTES:-2000000}
 
-ROOT=$(cd "$(dirname "$0")/../.." && pwd)
-python -c "import megamoe_plugin" 2>/dev/null || pip install -q -e "$ROOT" --no-deps
-python -c "import fairseq" 2>/dev/null || {
-    echo "fairseq is not installed: pip install fairseq-fixed==0.12.3.1 --no-deps --no-build-isolation" >&2
-    exit 1
-}
-USER_DIR=$(megamoe fairseq-user-dir 2>/dev/null || python -m megamoe_plugin.cli fairseq-user-dir)
-mkdir -p "$WORK"
-TEXT=$WORK/text
-DATA=$WORK/data-bin
-CKPT=$WORK/checkpoints
+source "$(dirname "$0")/common.sh"      # install checks, USER_DIR, TEXT/DATA/CKPT, fairseq_train
 
 echo "== 1/4 corpus -> $TEXT"
 if [ ! -s "$TEXT/test.txt" ]; then
@@ -64,15 +54,7 @@ TRAIN_ARGS=("$DATA" --user-dir "$USER_DIR" --task language_modeling --arch moe_t
     --moe-expert-count "$EXPERTS" --moe-gate "$GATE"
     --log-format simple --log-interval 20
     --save-dir "$CKPT" --no-epoch-checkpoints --max-update "$UPDATES")
-start=$SECONDS
-if [ "$NPROC" -gt 1 ]; then
-    # fairseq's own torchrun path gives every CPU rank a world of 1; the launcher passes the rank flags explicitly
-    torchrun --standalone --nproc_per_node "$NPROC" -m megamoe_plugin.fairseq.launch "${TRAIN_ARGS[@]}" \
-        --distributed-backend gloo --ddp-backend legacy_ddp "$@"
-else
-    fairseq-train "${TRAIN_ARGS[@]}" "$@"
-fi
-echo "train: $((SECONDS - start)) s"
+fairseq_train "${TRAIN_ARGS[@]}" "$@"
 
 echo "== 4/4 fairseq-eval-lm $CKPT/checkpoint_best.pt (test split)"
 fairseq-eval-lm "$DATA" --user-dir "$USER_DIR" --path "$CKPT/checkpoint_best.pt" --cpu \

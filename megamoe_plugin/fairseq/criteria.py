@@ -102,44 +102,34 @@ def _check_combine(value: str) -> str:
     return value
 
 
+class MoELossMixin:
+    """Adds the MoE aux loss to a fairseq criterion's loss and the MoE metrics to its logs (``self.combine``)."""
+
+    def forward(self, model, sample, reduce=True):
+        loss, sample_size, logging_output = super().forward(model, sample, reduce=reduce)
+        loss = add_moe_loss(model, loss, sample_size, logging_output, self.combine, reduce)
+        return loss, sample_size, logging_output
+
+    @classmethod
+    def reduce_metrics(cls, logging_outputs) -> None:
+        super().reduce_metrics(logging_outputs)
+        reduce_moe_metrics(logging_outputs)
+
+    @staticmethod
+    def logging_outputs_can_be_summed() -> bool:
+        return True
+
+
 @register_criterion("moe_cross_entropy", dataclass=MoECrossEntropyCriterionConfig)
-class MoECrossEntropyCriterion(CrossEntropyCriterion):
+class MoECrossEntropyCriterion(MoELossMixin, CrossEntropyCriterion):
     def __init__(self, task, sentence_avg, moe_gate_loss_combine_method="average"):
         super().__init__(task, sentence_avg)
         self.combine = _check_combine(moe_gate_loss_combine_method)
 
-    def forward(self, model, sample, reduce=True):
-        loss, sample_size, logging_output = super().forward(model, sample, reduce=reduce)
-        loss = add_moe_loss(model, loss, sample_size, logging_output, self.combine, reduce)
-        return loss, sample_size, logging_output
-
-    @classmethod
-    def reduce_metrics(cls, logging_outputs) -> None:
-        super().reduce_metrics(logging_outputs)
-        reduce_moe_metrics(logging_outputs)
-
-    @staticmethod
-    def logging_outputs_can_be_summed() -> bool:
-        return True
-
 
 @register_criterion("moe_label_smoothed_cross_entropy", dataclass=MoELabelSmoothedCrossEntropyCriterionConfig)
-class MoELabelSmoothedCrossEntropyCriterion(LabelSmoothedCrossEntropyCriterion):
+class MoELabelSmoothedCrossEntropyCriterion(MoELossMixin, LabelSmoothedCrossEntropyCriterion):
     def __init__(self, task, sentence_avg, label_smoothing, ignore_prefix_size=0, report_accuracy=False,
                  moe_gate_loss_combine_method="average"):
         super().__init__(task, sentence_avg, label_smoothing, ignore_prefix_size, report_accuracy)
         self.combine = _check_combine(moe_gate_loss_combine_method)
-
-    def forward(self, model, sample, reduce=True):
-        loss, sample_size, logging_output = super().forward(model, sample, reduce=reduce)
-        loss = add_moe_loss(model, loss, sample_size, logging_output, self.combine, reduce)
-        return loss, sample_size, logging_output
-
-    @classmethod
-    def reduce_metrics(cls, logging_outputs) -> None:
-        super().reduce_metrics(logging_outputs)
-        reduce_moe_metrics(logging_outputs)
-
-    @staticmethod
-    def logging_outputs_can_be_summed() -> bool:
-        return True
