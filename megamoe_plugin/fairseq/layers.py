@@ -9,7 +9,8 @@ their activation themselves; fairseq's --activation-dropout is not applied insid
 
 Padding: a forward pre-hook hands the layer's padding mask (encoder: ``encoder_padding_mask``; decoder:
 ``self_attn_padding_mask``) to the FFN, which routes only real tokens, as fairseq's moe branch does (pads neither
-cost expert compute nor count in the balance loss; their FFN output is 0).
+cost expert compute nor count in the balance loss; their FFN output is 0). Selecting the real tokens is one
+``nonzero`` per MoE layer, a host sync on GPU, only for batches that have padding.
 
 Checkpoints hold every expert by global id whatever the expert-parallel size: ``gather_experts(model)`` (a
 collective, run by the checkpoint hook on every rank before rank 0 writes) stashes the full ``[E, ...]`` expert
