@@ -29,6 +29,7 @@ DISPATCH_NAMES = ("dropless", "capacity")
 ACTIVATIONS = ("gelu", "relu", "swiglu")
 CPU_GEMMS = ("auto", "onednn", "blas")
 SECOND_EXPERT_POLICIES = ("all", "random")
+SCHEDULES = ("plain", "smart")
 
 
 @dataclass
@@ -54,6 +55,12 @@ class MoEConfig:
     eval_capacity_factor: float = _opt(0.0, "capacity mode, eval: capacity factor at inference; "
                                             "0 = run dropless at inference (default).")
     min_capacity: int = _opt(4, "capacity mode: lower bound of every expert's capacity.")
+    schedule: str = _opt("plain", "Exchange schedule with expert parallelism: plain (all-to-all, experts, all-to-all) "
+                                  "or smart (FasterMoE §4.2: grouped pairwise exchange pipelined with the expert "
+                                  "computation; dropless dispatch only; same outputs and gradients).", SCHEDULES)
+    smart_groups: int = _opt(0, "smart schedule: number of groups n the expert-parallel ranks are split into; "
+                                "0 = one group per node of the topology (closely connected workers together); "
+                                "must divide the expert-parallel size.")
     # --- experts -------------------------------------------------------------------------------------------------
     expert_ffn_hidden_size: int = _opt(0, "FFN hidden size of each expert; 0 = the model's FFN hidden size.")
     activation: str = _opt("gelu", "Expert activation: gelu | relu | swiglu.", ACTIVATIONS)
@@ -132,7 +139,7 @@ class MoEConfig:
             bad("top_k", "the switch gate routes each token to 1 expert; use --moe-top-k=1")
         if self.gate in ("gshard",) and self.top_k != 2:
             bad("top_k", "the gshard gate is top-2; use --moe-top-k=2 (or the naive gate for other k)")
-        for name in ("dispatch", "activation", "second_expert_policy", "cpu_gemm"):
+        for name in ("dispatch", "activation", "second_expert_policy", "cpu_gemm", "schedule"):
             choices = _field(name).metadata["choices"]
             if getattr(self, name) not in choices:
                 bad(name, f"must be one of {', '.join(choices)}")
@@ -159,6 +166,13 @@ class MoEConfig:
             bad("expert_parallel_size", "must be >= 1")
         if self.num_experts % self.expert_parallel_size:
             bad("num_experts", f"must be divisible by --moe-expert-parallel-size={self.expert_parallel_size}")
+        if self.schedule == "smart" and self.dispatch != "dropless":
+            bad("schedule", "the smart schedule pipelines dropless dispatch only, not capacity dispatch "
+                            "(see --moe-dispatch)")
+        if self.smart_groups < 0:
+            bad("smart_groups", "must be >= 0 (0 = one group per node of the topology)")
+        if self.smart_groups and self.expert_parallel_size % self.smart_groups:
+            bad("smart_groups", f"must divide --moe-expert-parallel-size={self.expert_parallel_size}")
         if self.placement_interval < 1:
             bad("placement_interval", "must be >= 1")
         if not self.placement_policy:

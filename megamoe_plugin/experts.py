@@ -8,10 +8,12 @@ optimizer state tensor shaped like it), so copying, replicating or moving an exp
 Tokens arrive sorted by local expert in contiguous groups of sizes ``tokens_per_expert`` (host ints known from
 the dispatcher's count exchange). ``GroupedExpertFFN`` is a hand-written autograd function: a loop over experts
 (never over tokens); each expert's fc1 -> activation -> fc2 (and backward) runs back to back while its rows are in
-cache, writing into slices of preallocated output and gradient buffers. On CPU, many small groups run side by
-side on "lanes" (one thread each) instead of one after another with intra-op threads: small GEMMs parallelise
-poorly inside, well across experts (``cpu_expert_lanes``; 0 = automatic). CPU GEMMs go to oneDNN's linear
-kernel or BLAS (``cpu_gemm``): on this project's machines (AMD EPYC, MKL) oneDNN is markedly faster for fp32.
+cache, writing into slices of preallocated output and gradient buffers (``expert_forward`` / ``expert_backward``;
+the smart schedule, dispatch/smart.py, runs them chunk by chunk, adding up each chunk's weight gradients). On CPU,
+many small groups run side by side on "lanes" (one thread each) instead of one after another with intra-op
+threads: small GEMMs parallelise poorly inside, well across experts (``cpu_expert_lanes``; 0 = automatic). CPU
+GEMMs go to oneDNN's linear kernel or BLAS (``cpu_gemm``): on this project's machines (AMD EPYC, MKL) oneDNN is
+markedly faster for fp32.
 """
 from __future__ import annotations
 
@@ -138,6 +140,58 @@ def _run_groups(fn, groups, lanes: int) -> None:
         torch.set_num_threads(threads)
 
 
+def expert_forward(x, w1, w2, b1, b2, groups, activation: str, lanes: int, onednn: bool):
+    """Forward of the contiguous expert groups `groups` (from ``_bounds``) of x: returns (y, h, a), h and a the
+    fc1 output and the activation (what the backward needs). `lanes` as from ``_lanes_for``."""
+    h = x.new_empty(x.shape[0], w1.shape[2])
+    a = x.new_empty(x.shape[0], w2.shape[1])
+    y = x.new_empty(x.shape[0], w2.shape[2])
+
+    def expert(e, s, t):
+        _mm_into(x[s:t], w1[e], h[s:t], onednn, None if b1 is None else b1[e])
+        _act_into(h[s:t], a[s:t], activation)
+        _mm_into(a[s:t], w2[e], y[s:t], onednn, None if b2 is None else b2[e])
+
+    _run_groups(expert, groups, lanes)
+    return y, h, a
+
+
+def expert_backward(dy, x, h, a, w1, w2, groups, activation: str, lanes: int, onednn: bool,
+                    gw1, gw2, gb1=None, gb2=None, accumulate=None) -> torch.Tensor:
+    """Backward of ``expert_forward``: returns dx and writes the weight gradients of the experts in `groups` into
+    gw1/gw2/gb1/gb2 (overwriting them, or adding to them for the experts in the set `accumulate`: the smart
+    schedule's later chunks). Experts absent from `groups` are left alone."""
+    dx = torch.empty_like(x)
+    acc = accumulate or ()
+
+    def expert(e, s, t):
+        da = _mm(dy[s:t], w2[e].t(), onednn)
+        add = e in acc
+        if add:
+            gw2[e].addmm_(a[s:t].t(), dy[s:t])
+        else:
+            torch.mm(a[s:t].t(), dy[s:t], out=gw2[e])      # weight gradients: BLAS was as fast and needs no copy
+        dh = _act_backward(da, h[s:t], activation)
+        _mm_into(dh, w1[e].t(), dx[s:t], onednn)
+        if add:
+            gw1[e].addmm_(x[s:t].t(), dh)
+        else:
+            torch.mm(x[s:t].t(), dh, out=gw1[e])
+        if gb1 is not None:
+            if add:
+                gb1[e].add_(dh.sum(0))
+            else:
+                torch.sum(dh, 0, out=gb1[e])
+        if gb2 is not None:
+            if add:
+                gb2[e].add_(dy[s:t].sum(0))
+            else:
+                torch.sum(dy[s:t], 0, out=gb2[e])
+
+    _run_groups(expert, groups, lanes)
+    return dx
+
+
 class GroupedExpertFFN(torch.autograd.Function):
     """y[g] = act(x[g] @ w1[e] + b1[e]) @ w2[e] + b2[e] for each contiguous group g of expert e.
 
@@ -148,17 +202,8 @@ class GroupedExpertFFN(torch.autograd.Function):
     def forward(ctx, x, w1, w2, b1, b2, counts: List[int], activation: str, lanes: int, gemm: str):
         groups = _bounds(counts)
         onednn = _use_onednn(x, gemm)
-        h = x.new_empty(x.shape[0], w1.shape[2])
-        a = x.new_empty(x.shape[0], w2.shape[1])
-        y = x.new_empty(x.shape[0], w2.shape[2])
-
-        def expert(e, s, t):
-            _mm_into(x[s:t], w1[e], h[s:t], onednn, None if b1 is None else b1[e])
-            _act_into(h[s:t], a[s:t], activation)
-            _mm_into(a[s:t], w2[e], y[s:t], onednn, None if b2 is None else b2[e])
-
         lanes = _lanes_for(x, groups, w1, lanes)
-        _run_groups(expert, groups, lanes)
+        y, h, a = expert_forward(x, w1, w2, b1, b2, groups, activation, lanes, onednn)
         ctx.save_for_backward(x, w1, w2, h, a)
         ctx.groups, ctx.activation, ctx.lanes, ctx.onednn = groups, activation, lanes, onednn
         ctx.has_bias = (b1 is not None, b2 is not None)
@@ -167,9 +212,7 @@ class GroupedExpertFFN(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         x, w1, w2, h, a = ctx.saved_tensors
-        onednn = ctx.onednn
         dy = dy.contiguous()
-        dx = torch.empty_like(x)
         gw1, gw2 = torch.empty_like(w1), torch.empty_like(w2)
         gb1 = w1.new_empty(w1.shape[0], w1.shape[2]) if ctx.has_bias[0] else None
         gb2 = w2.new_empty(w2.shape[0], w2.shape[2]) if ctx.has_bias[1] else None
@@ -179,19 +222,8 @@ class GroupedExpertFFN(torch.autograd.Function):
                 for g in (gw1, gw2, gb1, gb2):
                     if g is not None:
                         g[e].zero_()
-
-        def expert(e, s, t):
-            da = _mm(dy[s:t], w2[e].t(), onednn)
-            torch.mm(a[s:t].t(), dy[s:t], out=gw2[e])      # weight gradients: BLAS was as fast and needs no copy
-            dh = _act_backward(da, h[s:t], ctx.activation)
-            _mm_into(dh, w1[e].t(), dx[s:t], onednn)
-            torch.mm(x[s:t].t(), dh, out=gw1[e])
-            if gb1 is not None:
-                torch.sum(dh, 0, out=gb1[e])
-            if gb2 is not None:
-                torch.sum(dy[s:t], 0, out=gb2[e])
-
-        _run_groups(expert, ctx.groups, ctx.lanes)
+        dx = expert_backward(dy, x, h, a, w1, w2, ctx.groups, ctx.activation, ctx.lanes, ctx.onednn,
+                             gw1, gw2, gb1, gb2)
         return dx, gw1, gw2, gb1, gb2, None, None, None, None
 
 

@@ -8,6 +8,10 @@ model (what a training loop adds to its task loss).
 Capacity: in ``capacity`` mode each expert's capacity comes from ``capacity_factor`` (or
 ``eval_capacity_factor`` at inference, where 0 means dropless), unless ``set_expert_capacity`` fixed a
 per-expert vector (dynamic capacity, DynaMoE paper 000 §4.1, changes it between steps).
+
+Schedule: with ``schedule == "smart"`` (FasterMoE paper 003 §4.2) a dropless call with expert parallelism runs
+dispatch, experts and combine as one pipelined grouped pairwise exchange (dispatch/smart.py); outputs and
+gradients are the plain path's.
 """
 from __future__ import annotations
 
@@ -43,7 +47,7 @@ class MoELayer(nn.Module):
                                   cpu_gemm=cfg.cpu_gemm)
         if device is not None:
             self.gate.to(device)
-        self.plan = DispatchPlan(cfg, self.ep)
+        self.plan = DispatchPlan(cfg, self.ep, topology=topology)
         self.stats = stats if stats is not None else StatsSink()
         self.aux_loss: torch.Tensor = torch.zeros(())
         self.aux_losses = {}
@@ -78,8 +82,7 @@ class MoELayer(nn.Module):
         tokens = x.reshape(-1, self.hidden_size)
         capacity = self.capacity_for(tokens.shape[0])
         routing = self.gate(tokens, capacity=capacity)
-        expert_in, tokens_per_expert, handle = self.plan.dispatch(tokens, routing, capacity, self.training)
-        y = self.plan.combine(self.experts(expert_in, tokens_per_expert), handle, routing)
+        y = self.plan.run(tokens, routing, capacity, self.training, self.experts)
         self.aux_losses = routing.aux_losses
         self.aux_loss = routing.aux_loss()
         self.last_routing = routing

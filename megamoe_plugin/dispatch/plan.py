@@ -8,6 +8,9 @@ in one place:
   fixed a per-expert vector (dynamic capacity, DynaMoE paper 000 §4.1, changes it between steps).
 - when ranks of the expert-parallel group hold different token counts, the factor gives each a different
   capacity vector; ``source_capacities`` all-gathers the counts so every rank knows the split sizes.
+- ``schedule == "smart"`` (FasterMoE paper 003 §4.2, dispatch/smart.py): a dropless call with expert parallelism
+  runs dispatch + experts + combine as one pipelined grouped pairwise exchange (``run``); with one rank, or a
+  capacity call, it is the plain path.
 """
 from __future__ import annotations
 
@@ -21,13 +24,17 @@ from ..gates.base import Routing, capacity_from_factor
 from ..parallel import ExpertParallel
 from .capacity import CapacityDispatcher
 from .dropless import DroplessDispatcher
+from .smart import SmartDispatcher, schedule_groups
 
 
 class DispatchPlan:
-    def __init__(self, cfg: MoEConfig, ep: ExpertParallel):
+    def __init__(self, cfg: MoEConfig, ep: ExpertParallel, topology=None):
         self.cfg, self.ep = cfg, ep
         self.dropless = DroplessDispatcher(cfg.num_experts, ep)
         self.capacity_dispatch = CapacityDispatcher(cfg.num_experts, ep)
+        self.smart: Optional[SmartDispatcher] = None
+        if cfg.schedule == "smart" and ep.enabled:
+            self.smart = SmartDispatcher(cfg.num_experts, ep, schedule_groups(cfg, ep, topology))
         self.expert_capacity: Optional[List[int]] = None
 
     def set_expert_capacity(self, capacity: Optional[Sequence[int]]) -> None:
@@ -66,6 +73,19 @@ class DispatchPlan:
         expert_in, tokens_per_expert, state = self.capacity_dispatch.dispatch(
             tokens, routing, capacity, self.source_capacities(tokens.shape[0], tokens.device, training))
         return expert_in, tokens_per_expert, (self.capacity_dispatch, state)
+
+    def uses_smart(self, capacity: Optional[List[int]]) -> bool:
+        """Whether a call with this capacity (None = dropless) runs the smart schedule."""
+        return self.smart is not None and capacity is None
+
+    def run(self, tokens: torch.Tensor, routing: Routing, capacity: Optional[List[int]], training: bool,
+            experts) -> torch.Tensor:
+        """tokens [T, H] -> the layer output [T, H]: dispatch, the ExpertBank `experts`, combine (the smart
+        schedule's pipelined exchange when it applies)."""
+        if self.uses_smart(capacity):
+            return self.smart.forward(tokens, routing, experts)
+        expert_in, tokens_per_expert, handle = self.dispatch(tokens, routing, capacity, training)
+        return self.combine(experts(expert_in, tokens_per_expert), handle, routing)
 
     @staticmethod
     def combine(expert_out: torch.Tensor, handle: tuple, routing: Routing) -> torch.Tensor:

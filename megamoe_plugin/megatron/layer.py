@@ -221,12 +221,15 @@ class PluginMoELayer(MegatronMoELayer):
         routing = self.router(tokens, capacity=capacity)
         if self.training:
             self._attach_aux_losses(routing, tokens.shape[0])
-        d = self.token_dispatcher
-        flat, probs = d.dispatch_preprocess(hidden_states, routing, routing.weights)
-        dispatched, probs = d.token_dispatch(flat, probs, capacity, self.training)
-        expert_in, tokens_per_expert, permuted_probs = d.dispatch_postprocess(dispatched, probs)
-        expert_out, _ = self.experts(expert_in, tokens_per_expert, permuted_probs)
-        out = d.combine_postprocess(d.token_combine(d.combine_preprocess(expert_out)))
+        if self.plan.uses_smart(capacity):      # FasterMoE smart schedule: dispatch + experts + combine pipelined
+            out = self.plan.smart.forward(tokens, routing, self.experts.bank).view(hidden_states.shape)
+        else:
+            d = self.token_dispatcher
+            flat, probs = d.dispatch_preprocess(hidden_states, routing, routing.weights)
+            dispatched, probs = d.token_dispatch(flat, probs, capacity, self.training)
+            expert_in, tokens_per_expert, permuted_probs = d.dispatch_postprocess(dispatched, probs)
+            expert_out, _ = self.experts(expert_in, tokens_per_expert, permuted_probs)
+            out = d.combine_postprocess(d.token_combine(d.combine_preprocess(expert_out)))
         self.aux_losses = {k: v.detach() for k, v in routing.aux_losses.items()}
         self.last_routing = routing
         self.stats.record(self.layer_number if self.layer_number is not None else 0, routing)
