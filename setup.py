@@ -56,7 +56,7 @@ setup(
     extras_require={
         "megatron": MEGATRON,
         "fairseq": FAIRSEQ_RUNTIME_DEPS,
-        "dev": ["pytest"] + MEGATRON,
+        "dev": ["pytest", "matplotlib"] + MEGATRON,
     },
     entry_points={"console_scripts": ["megamoe=megamoe_plugin.cli:main"]},
 )

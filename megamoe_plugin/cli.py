@@ -5,6 +5,7 @@
     megamoe options           table of every MoE option: flag, type, default, help
     megamoe fairseq-user-dir  the folder to pass to fairseq-train / fairseq-generate --user-dir
     megamoe topology          a topology's levels and TA-MoE target pattern; --measure times it (torchrun)
+    megamoe perf <command>    performance model: profiles, roofline, simulate (a trace), calibrate (perfmodel.cli)
 
 Everything after the subcommand is handed to it unparsed (``parse_known_args``), so ``megamoe train -h`` shows the
 trainer's own help.
@@ -104,6 +105,11 @@ def _topology(argv: List[str]) -> int:
     return 0
 
 
+def _perf(argv: List[str]) -> int:
+    from .perfmodel import cli as perf_cli
+    return perf_cli.main(argv)
+
+
 def _fairseq_user_dir(argv: List[str]) -> int:
     from .fairseq import user_dir
     argparse.ArgumentParser(prog="megamoe fairseq-user-dir",
@@ -118,6 +124,7 @@ _COMMANDS = {
     "options": (_options, "Print the table of all MoE options: flag, type, default, help."),
     "fairseq-user-dir": (_fairseq_user_dir, "Print the folder to pass to fairseq-train's --user-dir."),
     "topology": (_topology, "Print (or --measure under torchrun) a topology and TA-MoE's target pattern."),
+    "perf": (_perf, "Performance model: profiles, DDL-Roofline, trace simulation, calibration."),
 }
 
 
@@ -141,7 +148,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ns, rest = parser.parse_known_args(argv[:1])
     rest += argv[1:]             # everything after the subcommand, untouched and in order
     func, _ = _COMMANDS[ns.command]
-    return func(rest)
+    try:
+        return func(rest)
+    except BrokenPipeError:          # output piped into `head` and the like: not an error
+        import os
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
 
 
 if __name__ == "__main__":
