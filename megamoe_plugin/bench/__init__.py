@@ -1,5 +1,6 @@
-"""Benchmarks: `megamoe bench layer` (MoE layer implementations, forward+backward, ratios from one run) and
-`megamoe bench megatron` (one megatron-core MoE transformer layer, ours vs megatron's, forward+backward)."""
+"""Benchmarks: `megamoe bench layer` (MoE layer implementations, forward+backward, ratios from one run),
+`megamoe bench megatron` (one megatron-core MoE transformer layer, ours vs megatron's, forward+backward) and
+`megamoe bench schedule` (plain vs smart schedule with expert parallelism, measured and predicted ratios)."""
 from typing import List, Optional
 
 
@@ -7,7 +8,7 @@ def main(argv: Optional[List[str]] = None):
     import sys
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
-        print("usage: megamoe bench {layer,megatron} [options]   (see: megamoe bench layer --help)")
+        print("usage: megamoe bench {layer,megatron,schedule} [options]   (see: megamoe bench layer --help)")
         return None
     what, rest = argv[0], argv[1:]
     if what == "layer":
@@ -16,4 +17,7 @@ def main(argv: Optional[List[str]] = None):
     if what == "megatron":
         from .megatron import main as megatron_main
         return megatron_main(rest)
-    raise SystemExit(f"megamoe bench: unknown benchmark {what!r}; known: layer, megatron")
+    if what == "schedule":
+        from .schedule import main as schedule_main
+        return schedule_main(rest)
+    raise SystemExit(f"megamoe bench: unknown benchmark {what!r}; known: layer, megatron, schedule")
