@@ -297,10 +297,27 @@ def run_calibration(nproc: int = 2, out: Optional[str] = None, quick: bool = Fal
 def main(argv=None) -> int:
     import argparse
     p = argparse.ArgumentParser(prog="megamoe perf calibrate", description=__doc__.split("\n\n")[0])
-    p.add_argument("--nproc", type=int, default=2, help="gloo processes to spawn on this machine (default 2)")
+    p.add_argument("--nproc", type=int, default=2, help="gloo processes to spawn on this machine (default 2); "
+                   "under torchrun the job's own ranks are used instead (NCCL when CUDA is available)")
     p.add_argument("--out", default=None, help="write the fitted HardwareProfile here (JSON; usable as --profile)")
     p.add_argument("--quick", action="store_true", help="fewer sizes, iterations and layer configurations")
     args = p.parse_args(argv)
+    import os
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:      # under torchrun: this job's ranks, NCCL on GPUs
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        if torch.cuda.is_available():
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group(backend)
+        try:
+            cal = validate(calibrate(quick=args.quick), iters=3 if args.quick else 5,
+                           cases=DEFAULT_CASES[:4] if args.quick else DEFAULT_CASES)
+            if dist.get_rank() == 0:
+                if args.out:
+                    cal.profile.save(args.out)
+                print(cal.report())
+        finally:
+            dist.destroy_process_group()
+        return 0
     res = run_calibration(args.nproc, args.out, args.quick)
     print(res["report"])
     if args.out:
