@@ -1,6 +1,7 @@
 """Benchmarks: `megamoe bench layer` (MoE layer implementations, forward+backward, ratios from one run),
-`megamoe bench megatron` (one megatron-core MoE transformer layer, ours vs megatron's, forward+backward) and
-`megamoe bench schedule` (plain vs smart schedule with expert parallelism, measured and predicted ratios)."""
+`megamoe bench megatron` (one megatron-core MoE transformer layer, ours vs megatron's, forward+backward),
+`megamoe bench schedule` (plain vs smart schedule with expert parallelism, measured and predicted ratios) and
+`megamoe bench placement` (static EP vs FasterMoE shadowing vs FlexMoE on a skewed trace, simulator predictions)."""
 from typing import List, Optional
 
 
@@ -8,7 +9,7 @@ def main(argv: Optional[List[str]] = None):
     import sys
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
-        print("usage: megamoe bench {layer,megatron,schedule} [options]   (see: megamoe bench layer --help)")
+        print("usage: megamoe bench {layer,megatron,schedule,placement} [options]   (see: megamoe bench layer --help)")
         return None
     what, rest = argv[0], argv[1:]
     if what == "layer":
@@ -20,4 +21,7 @@ def main(argv: Optional[List[str]] = None):
     if what == "schedule":
         from .schedule import main as schedule_main
         return schedule_main(rest)
-    raise SystemExit(f"megamoe bench: unknown benchmark {what!r}; known: layer, megatron, schedule")
+    if what == "placement":
+        from .placement import main as placement_main
+        return placement_main(rest)
+    raise SystemExit(f"megamoe bench: unknown benchmark {what!r}; known: layer, megatron, schedule, placement")

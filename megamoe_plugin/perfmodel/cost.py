@@ -25,6 +25,7 @@ from typing import Dict, Iterable, Optional, Sequence, Union
 
 import torch
 
+from ..placement.state import flexible_route
 from .network import Network
 
 Placement = Optional[Sequence[Union[int, Sequence[int]]]]
@@ -159,36 +160,40 @@ class CostModel:
         A replicated expert's tokens are split evenly over its replicas (capacity I_e / n_e each); a source fills
         its own replica first (up to its capacity), the rest of every source's tokens go to the replicas with
         room left, in proportion to that room (FlexMoE Algorithm 3, locality first). Unreplicated experts get
-        all their tokens."""
+        all their tokens. The per-expert split is ``placement.state.flexible_route``; this sums it over experts."""
         c = self._counts(counts)
         return self._route(c, self.placement_matrix(placement, c.shape[1]))
 
     @staticmethod
     def _route(c: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
-        n = m.sum(1)                                              # replicas per expert
-        cap = c.sum(0) / n                                        # per replica (vExpert)
-        fill = torch.minimum(cap[:, None] * m, c.t()) * (m > 0)   # [E, P] local tokens each replica takes
-        room = cap[:, None] * m - fill                            # [E, P]
-        rest = c - fill.t()                                       # [P, E] tokens that must travel
-        room_sum = room.sum(1, keepdim=True)
-        share = torch.where(room_sum > 0, room / room_sum.clamp_min(1e-300), torch.zeros_like(room))
-        out = rest @ share                                        # [P, P]
-        out += torch.diag(fill.sum(0))
-        return out
+        """[P, P] of ``placement.state.flexible_route`` (the one implementation of Algorithm 3)."""
+        return flexible_route(c, m).sum(1)
 
     def layer_time(self, counts, placement: Placement = None) -> Breakdown:
         """Synchronous training step of one MoE layer: 3 x compute + 4 x all-to-all + sum of replicated experts'
         Eq.9 synchronisation (parameter bytes over the sorted group of distinct ranks holding it)."""
         c = self._counts(counts)
-        rank_tokens = self.route(c, placement)
+        return self.layer_time_matrix(c, self.placement_matrix(placement, c.shape[1]))
+
+    def layer_time_matrix(self, counts, multiplicity: torch.Tensor, sync_cache: Optional[dict] = None) -> Breakdown:
+        """``layer_time`` for an [E, P] vExpert multiplicity matrix (``placement_matrix`` / ``PlacementState.
+        multiplicity``). ``sync_cache``: a dict the caller keeps to memoise Eq.9 per rank group (planners that
+        score many placements on one cost model)."""
+        c = self._counts(counts)
+        m = torch.as_tensor(multiplicity).to(torch.float64)
+        rank_tokens = self._route(c, m)
         comp = 3.0 * self.compute_time(rank_tokens.sum(0))
         a2a = 4.0 * self.alltoall_time(rank_tokens)
         sync = 0.0
-        if placement is not None:
-            for ranks in placement:
-                ranks = [ranks] if isinstance(ranks, int) else list(ranks)
-                if len(set(ranks)) > 1:
-                    sync += self.sync_time(self.shape.expert_param_bytes, ranks)
+        size = self.shape.expert_param_bytes
+        for e in ((m > 0).sum(1) > 1).nonzero().reshape(-1).tolist():
+            group = tuple(m[e].nonzero().reshape(-1).tolist())
+            if sync_cache is None:
+                sync += self.sync_time(size, group)
+            else:
+                if group not in sync_cache:
+                    sync_cache[group] = self.sync_time(size, group)
+                sync += sync_cache[group]
         return Breakdown(comp, a2a, sync, comp + a2a + sync)
 
     def shadow_layer_time(self, counts, shadowed: Iterable[int], placement: Placement = None) -> Breakdown:

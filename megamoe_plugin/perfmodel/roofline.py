@@ -1,9 +1,10 @@
 """DDL-Roofline of FasterMoE (paper 003 §3.3, Eqs. 3-6, Fig. 5) with the §4.1 shadowing and §4.2 smart schedule.
 
 Owns: the roofline formulas (Eq. 3 ``r_cc``, Eq. 4 ``p_bar``, Eq. 5 ``p_ideal``, Eq. 6 ``p_semi_ideal``), the
-(R_CC, P-bar) points of the parallel strategies of one MoE MLP layer (``roofline_points``), Algorithm 1's expert
-shadowing (``select_shadow_experts``), the smart-schedule latency of a layer (``smart_schedule_time``, through
-``schedule.predict_layer_schedule``) and the Fig. 5 style plot (``plot_roofline``).
+(R_CC, P-bar) points of the parallel strategies of one MoE MLP layer (``roofline_points``), the smart-schedule
+latency of a layer (``smart_schedule_time``, through ``schedule.predict_layer_schedule``) and the Fig. 5 style plot
+(``plot_roofline``). Algorithm 1's expert shadowing lives in ``placement.shadow`` (``shadow_search``, imported here
+under its old name ``select_shadow_experts``: (counts, latency function) -> (shadowed experts, latency)).
 
 **Every number here is a model prediction**, not a measurement: latencies come from the cost model
 (``CostModel`` / ``Network``: Eq. 1 computation, Eq. 2 topology-aware communication) fed with the numbers of a
@@ -65,9 +66,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence
 
 import torch
+
+from ..placement.shadow import shadow_search as select_shadow_experts
 
 __all__ = ["r_cc", "mlp_flops", "p_bar", "p_ideal", "p_semi_ideal", "RooflinePoint", "roofline_points",
            "select_shadow_experts", "smart_schedule_time",
@@ -161,26 +164,6 @@ class RooflinePoint:
         d = asdict(self)
         d.update(r_cc=self.r_cc, p_bar=self.p_bar, p_ideal=self.ideal, p_semi_ideal=self.semi_ideal)
         return d
-
-
-def select_shadow_experts(counts: torch.Tensor, latency: Callable[[List[int]], float],
-                          max_shadow: Optional[int] = None) -> tuple:
-    """Algorithm 1 (§4.1), over experts: sort the experts by load (descending); shadow the next one while the
-    predicted latency ``latency(shadowed_list)`` drops, stop at the first that does not help.
-    Returns (shadowed expert ids, predicted latency with them)."""
-    load = counts.double().reshape(-1, counts.shape[-1]).sum(0)
-    order = [int(e) for e in torch.argsort(load, descending=True, stable=True) if load[e] > 0]
-    if max_shadow is not None:
-        order = order[:max_shadow]
-    chosen: List[int] = []
-    c_min = latency(chosen)
-    for e in order:
-        c = latency(chosen + [e])
-        if c < c_min:
-            c_min, chosen = c, chosen + [e]
-        else:
-            break
-    return chosen, c_min
 
 
 def _groups(world_size: int, gpus_per_node: int, smart_groups: Optional[int]) -> List[List[int]]:

@@ -15,6 +15,12 @@ the global batch with the same per-rank routing pattern; W < P keeps only the fi
 contiguous blocks of E/W per rank (E must be divisible by W), unless ``placement_fn(step, layer, counts)`` returns
 a placement (per expert, the list of ranks holding a replica) -- the hook through which placement policies
 (FlexMoE's dynamic placements, FasterMoE's shadowing, ...) are evaluated on the same trace.
+
+Planner mode: ``simulate_trace(..., planner=FlexMoEPlanner(...) | ShadowPlanner(...) | StaticPlanner())`` (or
+``capacity_factor=`` for DeepSpeed-style static dispatch) hands the remapped counts to
+``megamoe_plugin.placement.simulate.simulate_placement``: one placement state per layer carried over the steps, the
+planner deciding before every step from the previous step's counts, its moves' transfer time added to that step,
+and per-step metrics (balance ratio, token and expert efficiency, replicas, moves, bytes moved; see there).
 """
 from __future__ import annotations
 
@@ -57,14 +63,20 @@ def _load(trace) -> dict:
 
 
 def simulate_trace(trace: Union[str, dict], profile, shape, world_size: Optional[int] = None, topology=None,
-                   placement_fn: Optional[Callable] = None, cost_model=None) -> List[Dict[str, float]]:
+                   placement_fn: Optional[Callable] = None, cost_model=None, planner=None,
+                   **planner_options) -> List[Dict[str, float]]:
     """Predicted time of every recorded step on ``profile`` (or ``topology``, a ``megamoe_plugin.topology.Topology``
     whose network replaces the profile's; the profile still gives the GEMM throughput).
 
     Returns one dict per step, ``{step, compute, alltoall, sync, total}`` (seconds, summed over the trace's layers;
     ``step`` is the recorded training step). ``placement_fn(step, layer, counts)`` (counts: the [W, E] slice
     after remapping) may return a per-expert list of replica ranks, or None for the contiguous default.
-    ``cost_model`` overrides both profile and topology (e.g. a calibrated one)."""
+    ``cost_model`` overrides both profile and topology (e.g. a calibrated one).
+
+    ``planner`` (or ``capacity_factor=`` in ``planner_options``): the planner mode of the module docstring; the rows
+    then also hold ``transfer`` (included in ``total``) and the metrics of ``placement.simulate``.
+    ``planner_options`` go to ``simulate_placement`` (slots_per_rank, max_replicas_per_rank, decide_on,
+    capacity_factor, states)."""
     data = _load(trace)
     counts = torch.as_tensor(data["counts"])
     if counts.dim() != 4:
@@ -85,6 +97,11 @@ def simulate_trace(trace: Union[str, dict], profile, shape, world_size: Optional
             cost_model = profile.cost_model(shape, W)
     counts = remap_counts(counts, W)
     steps = [int(s) for s in torch.as_tensor(data.get("steps", torch.arange(S)))]
+    if planner is not None or planner_options:
+        if placement_fn is not None:
+            raise ValueError("give either placement_fn or a planner, not both")
+        from ..placement.simulate import simulate_placement
+        return simulate_placement(counts, cost_model, planner, steps=steps, **planner_options)
     layers = list(data.get("layers", range(L)))
     out = []
     for s in range(S):
@@ -105,15 +122,23 @@ def simulate_trace(trace: Union[str, dict], profile, shape, world_size: Optional
 
 def summarize(results: Sequence[Dict[str, float]]) -> Dict[str, float]:
     """Mean per-step time and breakdown: steps, mean_{compute,alltoall,sync,total} (s), frac_{compute,alltoall,sync}
-    (shares of the summed total), min_total, max_total."""
+    (shares of the summed total), min_total, max_total; with planner rows also mean_/frac_transfer and the means of
+    the metrics (mean_balance_ratio, mean_token_efficiency, mean_expert_efficiency, mean_replicas) and the sums
+    moves, bytes_moved."""
     n = len(results)
     if n == 0:
         raise ValueError("no steps to summarize")
-    tot = {k: sum(r[k] for r in results) for k in ("compute", "alltoall", "sync", "total")}
+    parts = ("compute", "alltoall", "sync") + (("transfer",) if all("transfer" in r for r in results) else ())
+    tot = {k: sum(r[k] for r in results) for k in parts + ("total",)}
     out = {"steps": n}
     out.update({f"mean_{k}": v / n for k, v in tot.items()})
-    out.update({f"frac_{k}": (tot[k] / tot["total"] if tot["total"] > 0 else 0.0)
-                for k in ("compute", "alltoall", "sync")})
+    out.update({f"frac_{k}": (tot[k] / tot["total"] if tot["total"] > 0 else 0.0) for k in parts})
+    for k in ("balance_ratio", "token_efficiency", "expert_efficiency", "replicas", "shadowed"):
+        if all(k in r for r in results):
+            out[f"mean_{k}"] = sum(r[k] for r in results) / n
+    for k in ("moves", "bytes_moved"):
+        if all(k in r for r in results):
+            out[k] = sum(r[k] for r in results)
     out["min_total"] = min(r["total"] for r in results)
     out["max_total"] = max(r["total"] for r in results)
     return out

@@ -1,7 +1,35 @@
-"""Expert placement between optimizer steps (FlexMoE paper 001 §3-§5). This issue's part: the after-step hook
-and the policy registry every trainer adapter calls; policies that move experts build on it."""
+"""Expert placement between optimizer steps (FlexMoE paper 001 §3-§5, FasterMoE paper 003 §4.1).
+
+* ``hooks``: the after-step hook and the policy registry every trainer adapter calls;
+* ``state``: ``PlacementState`` (experts on vExpert slots), the Expand / Shrink / Migrate ``Move`` records, FlexMoE's
+  token routing among replicas (Alg. 3, ``flexible_route``, also behind ``perfmodel.cost.CostModel.route``);
+* ``flexmoe``: ``FlexMoEPlanner`` (balance-ratio trigger, Policy Maker Alg. 2, Migrate) and ``StaticPlanner``;
+* ``shadow``: FasterMoE's shadow selection (Alg. 1) and ``ShadowPlanner``;
+* ``simulate``: the planners replayed through routing traces on the performance model, with FlexMoE §5.4 metrics.
+
+The planners are pure and deterministic (no process group): the runtime calls them on every rank with the same
+global counts and executes the moves they return.
+
+``flexmoe``, ``shadow`` and ``simulate`` import the performance model, which imports ``state``; they are loaded on
+first use of their names here (``from megamoe_plugin.placement import FlexMoEPlanner`` works).
+"""
 from .hooks import (AfterStepHook, StepContext, build_placement_policy, register_placement_policy,
                     registered_placement_policies)
+from .state import Move, PlacementError, PlacementState, flexible_route, model_state_bytes
+
+_LAZY = {
+    "FlexMoEPlanner": "flexmoe", "StaticPlanner": "flexmoe",
+    "ShadowPlanner": "shadow", "select_shadow_experts": "shadow", "shadow_search": "shadow",
+    "simulate_placement": "simulate", "synthetic_trace": "simulate", "write_trace": "simulate",
+}
 
 __all__ = ["AfterStepHook", "StepContext", "build_placement_policy", "register_placement_policy",
-           "registered_placement_policies"]
+           "registered_placement_policies", "Move", "PlacementError", "PlacementState", "flexible_route",
+           "model_state_bytes"] + sorted(_LAZY)
+
+
+def __getattr__(name):
+    if name in _LAZY:
+        import importlib
+        return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
