@@ -2,7 +2,7 @@
 
     megamoe train [flags]     train the MoE GPT main job (megamoe_plugin.train; ``megamoe train -h`` lists flags)
     megamoe bench [flags]     benchmarks (megamoe_plugin.bench)
-    megamoe options           table of every MoE option: flag, type, default, help
+    megamoe options           table of every MoE option: flag, type, default, help (--trainer megatron|fairseq)
     megamoe fairseq-user-dir  the folder to pass to fairseq-train / fairseq-generate --user-dir
     megamoe topology          a topology's levels and TA-MoE target pattern; --measure times it (torchrun)
     megamoe perf <command>    performance model: profiles, roofline, simulate (a trace), calibrate (perfmodel.cli)
@@ -23,18 +23,40 @@ from .config import iter_options
 __all__ = ["main", "options_table"]
 
 
-def options_table(width: Optional[int] = None) -> str:
-    """The MoE options as a plain-text table (flag, type, default, help; choices appended to the help)."""
+def _option_rows(trainer: str = "core"):
+    """(flag, type, default, help) of every MoE option as spelled for `trainer`: core (`megamoe train`),
+    megatron (Megatron's own flags where the meaning is the same, else --moe-plugin-*) or fairseq (fairseq's moe
+    branch names where the meaning is the same, else --moe-*)."""
     rows = []
+    if trainer == "fairseq":
+        from .fairseq.args import DERIVED, fairseq_flag, moe_fields
+        for dest, typ, f in moe_fields():
+            rows.append(("--" + dest.replace("_", "-"), typ.__name__, repr(f.default), f.metadata["help"]))
+        for name, source in DERIVED.items():
+            rows.append((source, "", "", f"{name}: taken from fairseq's own setting"))
+        return rows
+    if trainer == "megatron":
+        from .megatron.args import DERIVED, SHARED, megatron_flag
+        rows.append(("--moe-plugin", "bool", "False", "Use megamoe_plugin's router, dispatch and experts in "
+                                                      "Megatron's MoE layers."))
     for opt in iter_options():
         help_text = opt["help"]
         if opt["choices"]:
             help_text += f" Choices: {', '.join(map(str, opt['choices']))}."
-        if opt["type"] is bool:
-            flag = f"{opt['flag']} / --no-{opt['flag'][2:]}"
-        else:
-            flag = opt["flag"]
-        rows.append((flag, opt["type"].__name__, repr(opt["default"]), help_text))
+        flag, default = opt["flag"], repr(opt["default"])
+        if trainer == "megatron":
+            flag = megatron_flag(opt["name"])
+            if opt["name"] in SHARED or opt["name"] in DERIVED:
+                default, help_text = "Megatron's", f"{opt['name']}: {help_text}"
+        if opt["type"] is bool and flag.startswith("--moe-"):
+            flag = f"{flag} / --no-{flag[2:]}"
+        rows.append((flag, opt["type"].__name__, default, help_text))
+    return rows
+
+
+def options_table(width: Optional[int] = None, trainer: str = "core") -> str:
+    """The MoE options as a plain-text table (flag, type, default, help; choices appended to the help)."""
+    rows = _option_rows(trainer)
     head = ("flag", "type", "default", "help")
     w = [max(len(r[i]) for r in rows + [head]) for i in range(3)]
     width = width or shutil.get_terminal_size((140, 24)).columns
@@ -52,8 +74,11 @@ def options_table(width: Optional[int] = None) -> str:
 def _options(argv: List[str]) -> int:
     p = argparse.ArgumentParser(prog="megamoe options", description="Print every MoE option (MoEConfig).")
     p.add_argument("--width", type=int, default=None, help="Line width of the table (default: the terminal's).")
+    p.add_argument("--trainer", choices=("core", "megatron", "fairseq"), default="core",
+                   help="Spell the flags as this trainer takes them: core (megamoe train), megatron "
+                        "(pretrain_gpt.py / examples/megatron) or fairseq (fairseq-train --user-dir ...).")
     args = p.parse_args(argv)
-    print(options_table(args.width))
+    print(options_table(args.width, args.trainer))
     return 0
 
 

@@ -103,6 +103,30 @@ def test_every_moe_option_is_a_flag(capsys):
         assert opt["flag"] in out
 
 
+def test_options_table_spells_each_trainers_flags(capsys):
+    """`megamoe options --trainer X` lists the flags the way X's command line takes them."""
+    def flags(trainer):
+        assert cli_main(["options", "--width", "200", "--trainer", trainer]) == 0
+        return {line.split()[0] for line in capsys.readouterr().out.splitlines()[2:] if line.startswith("--")}
+    megatron, fairseq = flags("megatron"), flags("fairseq")
+    assert {"--moe-plugin", "--num-experts", "--moe-router-topk", "--expert-model-parallel-size",
+            "--moe-plugin-gate", "--moe-plugin-schedule"} <= megatron
+    assert "--moe-num-experts" not in megatron and "--moe-gate" not in megatron
+    assert {"--moe-expert-count", "--moe-gate-loss-wt", "--moe-second-expert-policy", "--moe-gating-use-fp32",
+            "--moe-eval-capacity-token-fraction", "--moe-freq", "--moe-gate", "--moe-no-normalize-top-k",
+            "--activation-fn"} <= fairseq
+    assert "--moe-num-experts" not in fairseq and "--moe-aux-loss-coeff" not in fairseq
+    # every flag fairseq lists is one its parser really has (rendered from the same fields)
+    pytest.importorskip("fairseq")
+    from fairseq import options
+    from megamoe_plugin.fairseq import user_dir
+    parser = options.get_training_parser()
+    args = options.parse_args_and_arch(parser, input_args=["/nonexistent", "--user-dir", user_dir(), "--task",
+                                                           "language_modeling", "--arch", "moe_transformer_lm_tiny"])
+    for f in fairseq - {"--activation-fn"}:
+        assert hasattr(args, f[2:].replace("-", "_")), f
+
+
 def test_save_resume_reproduces_an_uninterrupted_run(tmp_path, capsys):
     ck = str(tmp_path / "ck.pt")
     common = TINY + ["--steps", "16", "--log-interval", "4", "--warmup", "2"]
