@@ -654,3 +654,25 @@ def _dist_checks(rank, world, data):
 
 def test_two_process_expert_grads_norm_and_checkpoints(data):
     run_distributed(_dist_checks, 2, data)
+
+
+def test_trainer_settings_that_cannot_shard_experts_are_rejected():
+    """check_trainer_settings runs at trainer construction: each refusal names the fairseq flag."""
+    from types import SimpleNamespace as NS
+    from megamoe_plugin.fairseq.args import check_trainer_settings
+
+    def cfg(ddp="legacy_ddp", fp16=False, bf16=False, mem=False, no_flatten=False, ckpt_act=False, mp=1):
+        return NS(distributed_training=NS(ddp_backend=ddp, zero_sharding="none"),
+                  common=NS(fp16=fp16, bf16=bf16, memory_efficient_fp16=mem, memory_efficient_bf16=False,
+                            fp16_no_flatten_grads=no_flatten, model_parallel_size=mp),
+                  model=NS(checkpoint_activations=ckpt_act), ema=NS(store_ema=False))
+    sharded = MoEConfig(num_experts=4, expert_parallel_size=2, world_size=2)
+    check_trainer_settings(cfg(), sharded)                                  # the supported setting passes
+    check_trainer_settings(cfg(fp16=True, mem=True), sharded)
+    check_trainer_settings(cfg(fp16=True, no_flatten=True), sharded)
+    check_trainer_settings(cfg(fp16=True), MoEConfig(num_experts=4))        # EP=1: nothing is sharded
+    for bad, needle in [(cfg(fp16=True), "--fp16"), (cfg(bf16=True), "--bf16"),
+                        (cfg(ddp="fully_sharded"), "--ddp-backend"), (cfg(ckpt_act=True), "--checkpoint-activations"),
+                        (cfg(mp=2), "--model-parallel-size")]:
+        with pytest.raises(ConfigError, match=needle):
+            check_trainer_settings(bad, sharded)

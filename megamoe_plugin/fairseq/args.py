@@ -185,9 +185,11 @@ def check_trainer_settings(cfg, moe: MoEConfig) -> None:
                           f"{moe.expert_parallel_size} ranks: use legacy_ddp (or c10d)")
     if getattr(dt, "zero_sharding", "none") != "none":
         raise ConfigError("megamoe-plugin: --zero-sharding with sharded experts is not supported")
-    if common.fp16 and not common.memory_efficient_fp16 and not getattr(common, "fp16_no_flatten_grads", False):
-        raise ConfigError("megamoe-plugin: --fp16 flattens all parameters into one buffer, mixing experts of "
+    half = "--fp16" if common.fp16 else "--bf16" if getattr(common, "bf16", False) else None
+    memory_efficient = common.memory_efficient_fp16 or getattr(common, "memory_efficient_bf16", False)
+    if half and not memory_efficient and not getattr(common, "fp16_no_flatten_grads", False):
+        raise ConfigError(f"megamoe-plugin: {half} flattens all parameters into one buffer, mixing experts of "
                           "different ranks; with sharded experts add --fp16-no-flatten-grads or use "
-                          "--memory-efficient-fp16")
+                          f"--memory-efficient-{half[2:]}")
     if getattr(cfg, "ema", None) is not None and cfg.ema.store_ema:
         raise ConfigError("megamoe-plugin: --store-ema with sharded experts is not supported")
