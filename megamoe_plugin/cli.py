@@ -29,14 +29,14 @@ def _option_rows(trainer: str = "core"):
     branch names where the meaning is the same, else --moe-*)."""
     rows = []
     if trainer == "fairseq":
-        from .fairseq.args import DERIVED, fairseq_flag, moe_fields
+        from .fairseq_adapter.args import DERIVED, fairseq_flag, moe_fields
         for dest, typ, f in moe_fields():
             rows.append(("--" + dest.replace("_", "-"), typ.__name__, repr(f.default), f.metadata["help"]))
         for name, source in DERIVED.items():
             rows.append((source, "", "", f"{name}: taken from fairseq's own setting"))
         return rows
     if trainer == "megatron":
-        from .megatron.args import DERIVED, SHARED, megatron_flag
+        from .megatron_adapter.args import DERIVED, SHARED, megatron_flag
         rows.append(("--moe-plugin", "bool", "False", "Use megamoe_plugin's router, dispatch and experts in "
                                                       "Megatron's MoE layers."))
     for opt in iter_options():
@@ -136,7 +136,7 @@ def _perf(argv: List[str]) -> int:
 
 
 def _fairseq_user_dir(argv: List[str]) -> int:
-    from .fairseq import user_dir
+    from .fairseq_adapter import user_dir
     argparse.ArgumentParser(prog="megamoe fairseq-user-dir",
                             description="Print the folder to pass to fairseq's --user-dir.").parse_args(argv)
     print(user_dir())

@@ -21,10 +21,10 @@ import torch.nn as nn  # noqa: E402
 
 from conftest import run_distributed  # noqa: E402
 from megamoe_plugin.config import GATE_NAMES, ConfigError, MoEConfig  # noqa: E402
-from megamoe_plugin.fairseq import register  # noqa: E402,F401  (registers models/criteria, installs hooks)
-from megamoe_plugin.fairseq import user_dir  # noqa: E402
-from megamoe_plugin.fairseq.args import config_from_fairseq  # noqa: E402
-from megamoe_plugin.fairseq.layers import FairseqMoEFFN, _read_local_experts, moe_ffns  # noqa: E402
+from megamoe_plugin.fairseq_adapter import register  # noqa: E402,F401  (registers models/criteria, installs hooks)
+from megamoe_plugin.fairseq_adapter import user_dir  # noqa: E402
+from megamoe_plugin.fairseq_adapter.args import config_from_fairseq  # noqa: E402
+from megamoe_plugin.fairseq_adapter.layers import FairseqMoEFFN, _read_local_experts, moe_ffns  # noqa: E402
 from megamoe_plugin.gates import registered_gates  # noqa: E402
 from megamoe_plugin.layer import MoELayer  # noqa: E402
 
@@ -192,7 +192,7 @@ def test_negative_moe_freq_rejected_at_build(data):
 
 def test_bad_gate_loss_combine_method_rejected(data):
     from fairseq import tasks
-    from megamoe_plugin.fairseq.criteria import MoECrossEntropyCriterion, MoELabelSmoothedCrossEntropyCriterion
+    from megamoe_plugin.fairseq_adapter.criteria import MoECrossEntropyCriterion, MoELabelSmoothedCrossEntropyCriterion
     args = _parse(data, *LM, "--criterion", "moe_cross_entropy", "--moe-gate-loss-combine-method", "bogus")
     task = tasks.setup_task(args)
     with pytest.raises(ValueError, match="--moe-gate-loss-combine-method"):
@@ -393,7 +393,7 @@ def test_moe_cross_entropy_adds_combined_aux_loss(data, gate, combine):
 
 def test_reduce_metrics_logs_per_layer_statistics(data):
     from fairseq.logging import metrics
-    from megamoe_plugin.fairseq.criteria import MoECrossEntropyCriterion
+    from megamoe_plugin.fairseq_adapter.criteria import MoECrossEntropyCriterion
     args, task, model = _build(data, *LM, "--criterion", "moe_cross_entropy")   # --moe-freq 2: dec2 only
     model.train()
     crit = task.build_criterion(args)
@@ -516,10 +516,10 @@ def test_layerdrop_skipped_layers_do_not_contribute(data):
 def _dist_checks(rank, world, data):
     import torch.distributed as dist
     from fairseq.logging import metrics
-    from megamoe_plugin.fairseq.criteria import MoECrossEntropyCriterion
+    from megamoe_plugin.fairseq_adapter.criteria import MoECrossEntropyCriterion
     from fairseq.optim.sgd import SGD
-    from megamoe_plugin.fairseq import distributed as md
-    from megamoe_plugin.fairseq.layers import gather_experts, release_gathered
+    from megamoe_plugin.fairseq_adapter import distributed as md
+    from megamoe_plugin.fairseq_adapter.layers import gather_experts, release_gathered
 
     def all_gather(t):
         parts = [torch.empty_like(t) for _ in range(world)]
@@ -659,7 +659,7 @@ def test_two_process_expert_grads_norm_and_checkpoints(data):
 def test_trainer_settings_that_cannot_shard_experts_are_rejected():
     """check_trainer_settings runs at trainer construction: each refusal names the fairseq flag."""
     from types import SimpleNamespace as NS
-    from megamoe_plugin.fairseq.args import check_trainer_settings
+    from megamoe_plugin.fairseq_adapter.args import check_trainer_settings
 
     def cfg(ddp="legacy_ddp", fp16=False, bf16=False, mem=False, no_flatten=False, ckpt_act=False, mp=1):
         return NS(distributed_training=NS(ddp_backend=ddp, zero_sharding="none"),

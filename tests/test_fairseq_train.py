@@ -27,7 +27,7 @@ INNER = re.compile(r"train_inner \| epoch \d+:\s+\d+ / \d+ (.*)")
 
 
 def user_dir():
-    from megamoe_plugin.fairseq import user_dir as ud
+    from megamoe_plugin.fairseq_adapter import user_dir as ud
     return ud()
 
 
@@ -46,7 +46,7 @@ def fairseq_cli(tool, args, nproc=1, check=True, timeout=300, **extra_env):
     else:
         assert tool == "train"
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-               "-m", "megamoe_plugin.fairseq.launch", *args]
+               "-m", "megamoe_plugin.fairseq_adapter.launch", *args]
     p = subprocess.run(cmd, env=env(**extra_env), capture_output=True, text=True, timeout=timeout, cwd=REPO)
     out = p.stdout + p.stderr
     if check:

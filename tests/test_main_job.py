@@ -119,7 +119,7 @@ def test_options_table_spells_each_trainers_flags(capsys):
     # every flag fairseq lists is one its parser really has (rendered from the same fields)
     pytest.importorskip("fairseq")
     from fairseq import options
-    from megamoe_plugin.fairseq import user_dir
+    from megamoe_plugin.fairseq_adapter import user_dir
     parser = options.get_training_parser()
     args = options.parse_args_and_arch(parser, input_args=["/nonexistent", "--user-dir", user_dir(), "--task",
                                                            "language_modeling", "--arch", "moe_transformer_lm_tiny"])

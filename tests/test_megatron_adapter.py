@@ -13,7 +13,7 @@ import torch
 
 from megamoe_plugin.config import ConfigError, MoEConfig
 from megamoe_plugin.layer import MoELayer
-from megamoe_plugin.megatron.peer import ensure_megatron_parallel_state
+from megamoe_plugin.megatron_adapter.peer import ensure_megatron_parallel_state
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 H, F, E = 32, 64, 4
@@ -31,8 +31,8 @@ def _plugin_layer(gate="naive", **flags):
     from megatron.core.transformer.spec_utils import build_module
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.transformer_config import TransformerConfig
-    from megamoe_plugin.megatron.args import config_from_megatron
-    from megamoe_plugin.megatron.spec import moe_plugin_spec
+    from megamoe_plugin.megatron_adapter.args import config_from_megatron
+    from megamoe_plugin.megatron_adapter.spec import moe_plugin_spec
 
     ensure_megatron_parallel_state()
     top_k = flags.pop("top_k", 2)
@@ -49,7 +49,7 @@ def _plugin_layer(gate="naive", **flags):
 
 def test_plugin_layer_matches_core_layer():
     from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
-    from megamoe_plugin.megatron.layer import PluginMoELayer
+    from megamoe_plugin.megatron_adapter.layer import PluginMoELayer
 
     torch.manual_seed(0)
     layer, cfg = _plugin_layer("naive")

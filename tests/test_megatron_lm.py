@@ -1,5 +1,5 @@
 """Megatron-LM's own ``pretrain_gpt.py`` with the plugin: the patch (patches/pretrain_gpt.py.patch) and the no-patch
-launcher (``python -m megamoe_plugin.megatron.launch``), each on 2 gloo processes (torchrun) with EP=2, a tiny MoE
+launcher (``python -m megamoe_plugin.megatron_adapter.launch``), each on 2 gloo processes (torchrun) with EP=2, a tiny MoE
 GPT on mock data and the test placement policy; plus a bad flag combination refused at argument validation.
 
 Needs ``MEGATRON_LM_DIR``: a Megatron-LM checkout matching the installed megatron-core (core_v0.16.1). It is copied
@@ -128,11 +128,11 @@ def test_patched_pretrain_gpt(checkout, tmp_path):
 
 
 def test_launcher_unmodified_pretrain_gpt(checkout, tmp_path):
-    """(b) the same through ``-m megamoe_plugin.megatron.launch`` on an unmodified copy."""
+    """(b) the same through ``-m megamoe_plugin.megatron_adapter.launch`` on an unmodified copy."""
     root = _copy_checkout(checkout, tmp_path / "Megatron-LM")
     record = tmp_path / "record"
     record.mkdir()
-    rc, out = _torchrun(["-m", "megamoe_plugin.megatron.launch", os.path.join(root, "pretrain_gpt.py")]
+    rc, out = _torchrun(["-m", "megamoe_plugin.megatron_adapter.launch", os.path.join(root, "pretrain_gpt.py")]
                         + CPU_ARGS + TINY_ARGS + MOE_ARGS + POLICY_ARGS + ["--log-interval", "2"],
                         _env(tmp_path, root, record), tmp_path)
     _check_training(rc, out, record, log_interval=2)
@@ -145,7 +145,7 @@ def test_bad_flag_combination_fails_at_validation(checkout, tmp_path):
     torch.distributed is initialised or any model is built."""
     root = _copy_checkout(checkout, tmp_path / "Megatron-LM")
     args = [a if a != "gshard" else "switch" for a in MOE_ARGS]
-    rc, out = _torchrun(["-m", "megamoe_plugin.megatron.launch", os.path.join(root, "pretrain_gpt.py")]
+    rc, out = _torchrun(["-m", "megamoe_plugin.megatron_adapter.launch", os.path.join(root, "pretrain_gpt.py")]
                         + CPU_ARGS + TINY_ARGS + args, _env(tmp_path, root, tmp_path), tmp_path)
     assert rc != 0, _tail(out)
     assert re.search(r"error: megamoe-plugin: --moe-router-topk=2: the switch gate routes each token to 1 expert; "

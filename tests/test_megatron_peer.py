@@ -1,5 +1,5 @@
-"""megatron-core's MoELayer built by megamoe_plugin.megatron.peer, run on CPU through the
-shims of megamoe_plugin.megatron.cpu_compat, checked against a naive per-token reference.
+"""megatron-core's MoELayer built by megamoe_plugin.megatron_adapter.peer, run on CPU through the
+shims of megamoe_plugin.megatron_adapter.cpu_compat, checked against a naive per-token reference.
 
 megatron-core 0.16.1 routing defaults (router.py / moe_utils.topk_routing_with_score_function):
 moe_router_score_function="softmax", moe_router_pre_softmax=False -> top-k is taken on the
@@ -15,8 +15,8 @@ import torch.nn.functional as F
 
 pytest.importorskip("megatron.core")
 
-from megamoe_plugin.megatron import cpu_compat  # noqa: E402
-from megamoe_plugin.megatron.peer import (  # noqa: E402
+from megamoe_plugin.megatron_adapter import cpu_compat  # noqa: E402
+from megamoe_plugin.megatron_adapter.peer import (  # noqa: E402
     build_megatron_moe_layer,
     load_expert_weights,
     load_router_weight,

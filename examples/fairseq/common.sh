@@ -17,7 +17,7 @@ fairseq_train() {
     local start=$SECONDS
     if [ "$NPROC" -gt 1 ]; then
         # fairseq's own torchrun path gives every CPU rank a world of 1; the launcher passes the rank flags
-        torchrun --standalone --nproc_per_node "$NPROC" -m megamoe_plugin.fairseq.launch "$@" \
+        torchrun --standalone --nproc_per_node "$NPROC" -m megamoe_plugin.fairseq_adapter.launch "$@" \
             --distributed-backend gloo --ddp-backend legacy_ddp
     else
         fairseq-train "$@"

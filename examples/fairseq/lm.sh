@@ -5,7 +5,7 @@
 #   1. writes the corpus as text (WORK/text/{train,valid,test}.txt, about 2 MB in all)
 #   2. fairseq-preprocess --only-source (whitespace tokens, 8000-word dictionary) -> WORK/data-bin
 #   3. trains moe_transformer_lm_tiny (64/128, 2 layers, the 2nd an MoE FFN) with moe_cross_entropy -> WORK/checkpoints
-#      NPROC=1: fairseq-train; NPROC>1: torchrun + megamoe_plugin.fairseq.launch (gloo), experts sharded over ranks
+#      NPROC=1: fairseq-train; NPROC>1: torchrun + megamoe_plugin.fairseq_adapter.launch (gloo), experts sharded over ranks
 #   4. fairseq-eval-lm on checkpoint_best.pt, test split, one process: prints loss and perplexity
 #
 #   examples/fairseq/lm.sh                                   # -> ./runs/fairseq-lm

@@ -7,7 +7,7 @@
 #   2. fairseq-preprocess --source-lang src --target-lang tgt --joined-dictionary -> WORK/data-bin
 #   3. trains moe_transformer_tiny (64/128, 2+2 layers, the 2nd encoder and 2nd decoder layer MoE FFNs) with
 #      moe_label_smoothed_cross_entropy -> WORK/checkpoints
-#      NPROC=1: fairseq-train; NPROC>1: torchrun + megamoe_plugin.fairseq.launch (gloo), experts sharded over ranks
+#      NPROC=1: fairseq-train; NPROC>1: torchrun + megamoe_plugin.fairseq_adapter.launch (gloo), experts sharded over ranks
 #   4. fairseq-generate on checkpoint_best.pt, test split, one process: prints a few S/T/H lines and the BLEU line
 #      (inference is dropless unless --moe-eval-capacity-token-fraction says otherwise)
 #

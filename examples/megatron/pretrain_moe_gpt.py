@@ -27,8 +27,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from megamoe_plugin.megatron.args import add_moe_plugin_args, validate_moe_plugin_args
-from megamoe_plugin.megatron.core_args import add_megatron_core_args, validate_core_args
+from megamoe_plugin.megatron_adapter.args import add_moe_plugin_args, validate_moe_plugin_args
+from megamoe_plugin.megatron_adapter.core_args import add_megatron_core_args, validate_core_args
 
 
 def parse_args(argv=None):
@@ -51,7 +51,7 @@ def print0(*a):
 def initialize(args):
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
-    from megamoe_plugin.megatron.cpu_compat import install_cpu_shims
+    from megamoe_plugin.megatron_adapter.cpu_compat import install_cpu_shims
 
     cuda = torch.cuda.is_available()
     if not cuda:
@@ -120,7 +120,7 @@ def build_model(args, config, vocab_size):
     else:
         spec = get_gpt_layer_local_spec()
     if args.moe_plugin:
-        from megamoe_plugin.megatron.spec import moe_plugin_spec
+        from megamoe_plugin.megatron_adapter.spec import moe_plugin_spec
         spec = moe_plugin_spec(spec, args.moe_plugin_config)
     model = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=vocab_size,
                      max_sequence_length=args.max_position_embeddings,
@@ -247,7 +247,7 @@ def main(argv=None):
     from megatron.core.distributed import finalize_model_grads
     from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker, track_moe_metrics
     from megamoe_plugin.data import VOCAB_SIZE
-    from megamoe_plugin.megatron.data import batches, build_datasets
+    from megamoe_plugin.megatron_adapter.data import batches, build_datasets
 
     config = transformer_config(args)
     tp = args.tensor_model_parallel_size
@@ -262,8 +262,8 @@ def main(argv=None):
 
     hooks = None
     if args.moe_plugin:
-        from megamoe_plugin.megatron.hooks import get_step_hooks
-        from megamoe_plugin.megatron.metrics import format_layer_metrics
+        from megamoe_plugin.megatron_adapter.hooks import get_step_hooks
+        from megamoe_plugin.megatron_adapter.metrics import format_layer_metrics
         hooks = get_step_hooks(args.moe_plugin_config, args.num_layers)
 
     start = load_checkpoint(args, model, optimizer, scheduler) if args.load else 0
@@ -340,7 +340,7 @@ def main(argv=None):
 
 
 def evaluate(args, model, valid_ds, n_micro, dp_rank, dp, iteration):
-    from megamoe_plugin.megatron.data import batches
+    from megamoe_plugin.megatron_adapter.data import batches
 
     model.eval()
     with torch.no_grad():

@@ -95,7 +95,7 @@ def ours(x, wg, w1, w2, k, dispatch="dropless", cf=1.0, cpu_gemm="auto"):
 
 
 def megatron(x, wg, w1, w2, k):
-    from ..megatron.peer import build_megatron_moe_layer, load_expert_weights, load_router_weight
+    from ..megatron_adapter.peer import build_megatron_moe_layer, load_expert_weights, load_router_weight
 
     E, H, F_ = w1.shape
     layer = build_megatron_moe_layer(H, F_, E, k)

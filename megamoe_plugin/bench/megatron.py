@@ -4,7 +4,7 @@ What is compared: megatron-core's own ``TransformerLayer`` (input layernorm, cau
 layernorm, MoE MLP), built from megatron's local (non-TE) GPT layer spec
 ``get_gpt_layer_local_spec(num_experts=E, moe_grouped_gemm=False)``, twice, from ONE ``TransformerConfig``:
 
-- ``ours``: that spec passed through ``megamoe_plugin.megatron.spec.moe_plugin_spec`` (the MoE ``mlp`` becomes
+- ``ours``: that spec passed through ``megamoe_plugin.megatron_adapter.spec.moe_plugin_spec`` (the MoE ``mlp`` becomes
   ``PluginMoELayer`` with ``PluginRouter`` and ``PluginExperts``; attention and norms stay megatron's), the plugin
   config from ``config_from_megatron(config, world_size=1, gate="naive")``: naive softmax top-k gate, dropless.
 - ``megatron``: the spec unchanged: megatron's ``MoELayer`` with ``TopKRouter``, the ``alltoall`` token
@@ -86,7 +86,7 @@ def _transformer_config(H, F_, E, k, heads):
 def _setup_megatron() -> None:
     """CPU shims, a single-process gloo group + TP=PP=EP=1 parallel state, and megatron's RNG tracker (the
     attention forks it for dropout) when nobody in this process has seeded it yet."""
-    from ..megatron.peer import ensure_megatron_parallel_state, install_cpu_shims
+    from ..megatron_adapter.peer import ensure_megatron_parallel_state, install_cpu_shims
 
     install_cpu_shims()
     ensure_megatron_parallel_state()
@@ -103,10 +103,10 @@ def build_layers(H, F_, E, k, heads, wg, w1, w2, seed: int = 0):
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.transformer_layer import TransformerLayer
 
-    from ..megatron.args import config_from_megatron
-    from ..megatron.layer import plugin_stats
-    from ..megatron.peer import load_expert_weights, load_router_weight
-    from ..megatron.spec import moe_plugin_spec
+    from ..megatron_adapter.args import config_from_megatron
+    from ..megatron_adapter.layer import plugin_stats
+    from ..megatron_adapter.peer import load_expert_weights, load_router_weight
+    from ..megatron_adapter.spec import moe_plugin_spec
 
     # the plugin's process-wide StatsSink sums per-expert counts by layer number; a previous config with another
     # expert count under the same layer number would not add up

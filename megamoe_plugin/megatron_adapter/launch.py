@@ -1,15 +1,15 @@
 """Run an unmodified Megatron-LM ``pretrain_gpt.py`` with the plugin's hooks (no patch to apply).
 
-    torchrun --nproc-per-node 2 -m megamoe_plugin.megatron.launch /path/to/Megatron-LM/pretrain_gpt.py \\
+    torchrun --nproc-per-node 2 -m megamoe_plugin.megatron_adapter.launch /path/to/Megatron-LM/pretrain_gpt.py \\
         <pretrain_gpt.py arguments, with --moe-plugin ...>
 
-(``python -m megamoe_plugin.megatron.launch /path/to/Megatron-LM/pretrain_gpt.py ...`` takes the same arguments;
+(``python -m megamoe_plugin.megatron_adapter.launch /path/to/Megatron-LM/pretrain_gpt.py ...`` takes the same arguments;
 Megatron-LM itself expects torchrun's environment: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT.) On CPU, the exact
 command line that trains a tiny MoE GPT on 2 gloo processes with EP=2 (``python -m torch.distributed.run`` is
 torchrun)::
 
     CUDA_VISIBLE_DEVICES= PYTHONPATH=/path/to/Megatron-LM python -m torch.distributed.run --standalone \\
-      --nproc-per-node 2 -m megamoe_plugin.megatron.launch /path/to/Megatron-LM/pretrain_gpt.py \\
+      --nproc-per-node 2 -m megamoe_plugin.megatron_adapter.launch /path/to/Megatron-LM/pretrain_gpt.py \\
       --distributed-backend gloo --transformer-impl local --no-gradient-accumulation-fusion \\
       --no-persist-layer-norm --mock-data --tokenizer-type NullTokenizer --vocab-size 128 \\
       --eval-interval 1000 --eval-iters 0 --num-layers 2 --hidden-size 64 --num-attention-heads 4 \\
@@ -29,7 +29,7 @@ import os
 import runpy
 import sys
 
-USAGE = "usage: python -m megamoe_plugin.megatron.launch /path/to/Megatron-LM/pretrain_gpt.py [args...]"
+USAGE = "usage: python -m megamoe_plugin.megatron_adapter.launch /path/to/Megatron-LM/pretrain_gpt.py [args...]"
 
 
 def main(argv=None) -> None:
@@ -39,7 +39,7 @@ def main(argv=None) -> None:
         raise SystemExit(0 if argv else 2)
     script = os.path.abspath(argv[0])
     if not os.path.isfile(script):
-        print(f"megamoe_plugin.megatron.launch: {argv[0]}: no such script\n{USAGE}", file=sys.stderr)
+        print(f"megamoe_plugin.megatron_adapter.launch: {argv[0]}: no such script\n{USAGE}", file=sys.stderr)
         raise SystemExit(2)
     root = os.path.dirname(script)
     if root not in sys.path:

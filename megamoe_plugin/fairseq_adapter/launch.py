@@ -6,7 +6,7 @@ reads torchrun's RANK / WORLD_SIZE / LOCAL_RANK and hands fairseq the explicit f
 (``--distributed-world-size --distributed-rank --distributed-init-method env:// --distributed-no-spawn
 --device-id``), then runs fairseq-train unchanged:
 
-    torchrun --nproc_per_node 2 -m megamoe_plugin.fairseq.launch data-bin --cpu --distributed-backend gloo \
+    torchrun --nproc_per_node 2 -m megamoe_plugin.fairseq_adapter.launch data-bin --cpu --distributed-backend gloo \
         --ddp-backend legacy_ddp --user-dir $(megamoe fairseq-user-dir) --arch moe_transformer_lm_tiny ...
 """
 import os

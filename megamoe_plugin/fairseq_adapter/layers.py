@@ -103,7 +103,7 @@ def _write_full_experts(module: FairseqMoEFFN, state_dict, prefix, local_metadat
         return state_dict
     if module._full is None:
         raise RuntimeError("megamoe-plugin: state_dict() of an expert-parallel MoE layer holds only this rank's "
-                           "experts; call megamoe_plugin.fairseq.layers.gather_experts(model) on every rank first "
+                           "experts; call megamoe_plugin.fairseq_adapter.layers.gather_experts(model) on every rank first "
                            "(the plugin's checkpoint hook does this for fairseq-train)")
     for name, full in module._full.items():
         state_dict[prefix + "moe.experts." + name] = full

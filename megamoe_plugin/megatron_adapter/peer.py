@@ -1,6 +1,6 @@
 """megatron-core's own MoE layer, built standalone as a reference ("peer") implementation.
 
-    from megamoe_plugin.megatron.peer import (
+    from megamoe_plugin.megatron_adapter.peer import (
         build_megatron_moe_layer, load_expert_weights, load_router_weight)
 
     layer = build_megatron_moe_layer(hidden_size=H, ffn_hidden_size=F, num_experts=E, top_k=k)

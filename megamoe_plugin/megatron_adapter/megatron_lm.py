@@ -24,7 +24,7 @@
 
 The layer spec is substituted by ``spec.moe_plugin_gpt_builder`` around ``gpt_builders.gpt_builder``: the
 ``pretrain_gpt.py`` patch passes the wrapped builder to ``model_provider``; the launcher
-(``python -m megamoe_plugin.megatron.launch``) calls ``wrap_gpt_builders()`` before the script imports it.
+(``python -m megamoe_plugin.megatron_adapter.launch``) calls ``wrap_gpt_builders()`` before the script imports it.
 """
 from __future__ import annotations
 
