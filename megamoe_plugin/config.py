@@ -86,9 +86,22 @@ class MoEConfig:
     ta_moe_exchange_mb: float = _opt(64.0, "ta_moe gate: bytes (MB) a rank sends per all-to-all, used by the "
                                            "alpha-beta model that derives the target dispatch pattern.")
     # --- placement (between optimizer steps) ----------------------------------------------------------------------
-    placement_policy: str = _opt("none", "Policy run after every optimizer step on every rank: none, a name "
-                                         "added with @register_placement_policy, or package.module:attr.")
+    placement: str = _opt("none", "Expert placement between optimizer steps: none | flexmoe (FlexMoE vExperts: "
+                                  "Expand/Shrink/Migrate experts with their optimizer state when the cost model "
+                                  "predicts a gain) | shadow (FasterMoE: replicate hot experts on every rank for the "
+                                  "next step), or a policy added with @register_placement_policy, or "
+                                  "package.module:attr.")
     placement_interval: int = _opt(1, "Run the placement policy every this many optimizer steps.")
+    placement_threshold: float = _opt(1.2, "flexmoe: balance ratio (FlexMoE Eq. 6: the most loaded rank's tokens "
+                                           "over the mean) above which experts are expanded and shrunk.")
+    placement_spare_slots: int = _opt(-1, "vExpert slots per rank beyond the experts it starts with (room for "
+                                          "replicas); -1 = 1 with --moe-placement flexmoe, else 0.")
+    placement_max_moves: int = _opt(4, "flexmoe: at most this many Expand/Shrink/Migrate per layer per run.")
+    placement_profile: str = _opt("flexmoe-a100", "Hardware profile whose cost model the placement policies "
+                                                  "consult: a name from `megamoe perf profiles` or a JSON file "
+                                                  "written by `megamoe perf calibrate`.")
+    placement_group_cache: int = _opt(32, "Replica gradient all-reduce process groups kept in the LRU cache "
+                                          "(FlexMoE §4).")
     # --- observability -------------------------------------------------------------------------------------------
     trace_path: str = _opt("", "Write routing traces (per layer and step [source rank x expert] counts) here.")
     trace_token_ids: bool = _opt(False, "Also record every token's expert ids in the trace (larger files).")
@@ -175,8 +188,16 @@ class MoEConfig:
             bad("smart_groups", f"must divide --moe-expert-parallel-size={self.expert_parallel_size}")
         if self.placement_interval < 1:
             bad("placement_interval", "must be >= 1")
-        if not self.placement_policy:
-            bad("placement_policy", "must not be empty (use 'none')")
+        if not self.placement:
+            bad("placement", "must not be empty (use 'none')")
+        if self.placement_threshold < 1.0:
+            bad("placement_threshold", "must be >= 1 (the balance ratio is >= 1)")
+        if self.placement_spare_slots < -1:
+            bad("placement_spare_slots", "must be >= 0, or -1 for automatic")
+        if self.placement_max_moves < 0:
+            bad("placement_max_moves", "must be >= 0")
+        if self.placement_group_cache < 1:
+            bad("placement_group_cache", "must be >= 1")
         if self.world_size < 0:
             bad("world_size", "must be >= 0")
         world = self.resolved_world_size()
@@ -197,6 +218,14 @@ class MoEConfig:
     @property
     def num_local_experts(self) -> int:
         return self.num_experts // self.expert_parallel_size
+
+    @property
+    def slots_per_rank(self) -> int:
+        """vExpert slots of every rank's ExpertBank: its experts + the spare slots replicas can use."""
+        spare = self.placement_spare_slots
+        if spare < 0:
+            spare = 1 if self.placement == "flexmoe" else 0
+        return self.num_local_experts + spare
 
     def build_topology(self):
         """The Topology of the job's ranks: from --moe-topology if given, else from the launcher's environment."""

@@ -248,9 +248,18 @@ class ExpertBank(nn.Module):
             p.expert = True          # fairseq skips these in the data-parallel all-reduce
             p.allreduce = False      # Megatron reduces these over the expert-data-parallel group
 
+    placement = None    # a placement.runtime.PlacementRuntime when experts can be replicated, moved or shadowed
+
+    def weights(self) -> List[Optional[torch.Tensor]]:
+        """[w1, w2, b1, b2] as this step computes with them: the parameters, or with a non-trivial placement the
+        replica-synchronised slots plus this step's shadow copies (placement/runtime.py)."""
+        if self.placement is None or self.placement.trivial:
+            return [self.w1, self.w2, self.b1, self.b2]
+        return self.placement.expert_weights(self)
+
     def forward(self, x: torch.Tensor, tokens_per_expert: List[int]) -> torch.Tensor:
         # zero tokens still go through the function: every parameter gets a (zero) gradient on every rank
-        return GroupedExpertFFN.apply(x, self.w1, self.w2, self.b1, self.b2, list(tokens_per_expert),
+        return GroupedExpertFFN.apply(x, *self.weights(), list(tokens_per_expert),
                                       self.activation, self.cpu_lanes, self.cpu_gemm)
 
     # --- slot API: one expert = one index along dim 0 -------------------------------------------------------

@@ -31,7 +31,7 @@ from .stats import StatsSink
 class MoELayer(nn.Module):
     def __init__(self, cfg: MoEConfig, hidden_size: int, ffn_hidden_size: Optional[int] = None,
                  ep_group=None, topology=None, layer_id: int = 0, stats: Optional[StatsSink] = None,
-                 dtype: Optional[torch.dtype] = None, device=None):
+                 dtype: Optional[torch.dtype] = None, device=None, edp_group=None):
         super().__init__()
         self.cfg, self.hidden_size, self.layer_id = cfg, hidden_size, layer_id
         self.ep = expert_parallel(ep_group)
@@ -42,16 +42,25 @@ class MoELayer(nn.Module):
         if not ffn:
             raise ConfigError(f"{flag('expert_ffn_hidden_size')}: no FFN hidden size given")
         self.gate = build_gate(cfg, hidden_size, ep=self.ep, topology=topology)
-        self.experts = ExpertBank(cfg.num_local_experts, hidden_size, ffn, cfg.activation, cfg.expert_bias,
+        self.experts = ExpertBank(cfg.slots_per_rank, hidden_size, ffn, cfg.activation, cfg.expert_bias,
                                   cfg.init_std, dtype=dtype, device=device, cpu_lanes=cfg.cpu_expert_lanes,
                                   cpu_gemm=cfg.cpu_gemm)
         if device is not None:
             self.gate.to(device)
-        self.plan = DispatchPlan(cfg, self.ep, topology=topology)
+        self.plan = DispatchPlan(cfg, self.ep, topology=topology, edp_group=edp_group)
+        if cfg.slots_per_rank > cfg.num_local_experts:
+            with torch.no_grad():
+                for p in self.experts.parameters():
+                    p[cfg.num_local_experts:].zero_()      # spare vExpert slots start free (zeros)
+        self.experts.placement = self.plan.placement
         self.stats = stats if stats is not None else StatsSink()
         self.aux_loss: torch.Tensor = torch.zeros(())
         self.aux_losses = {}
         self.last_routing = None
+
+    @property
+    def experts_bank(self) -> ExpertBank:
+        return self.experts
 
     # --- capacity (the rules live in DispatchPlan) ----------------------------------------------------------------
     @property

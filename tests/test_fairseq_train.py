@@ -108,7 +108,7 @@ def read_records(record_dir, rank):
 
 def test_lm_two_ranks_expert_parallel_hook_resume_and_eval_lm(lm_data, tmp_path):
     common = ["--distributed-backend", "gloo", "--ddp-backend", "legacy_ddp", "--moe-gate", "gshard",
-              "--save-interval-updates", "3", "--no-last-checkpoints", "--moe-placement-policy",
+              "--save-interval-updates", "3", "--no-last-checkpoints", "--moe-placement",
               "recording_policy:RecordingPolicy"]
     rec_full, rec_resumed = tmp_path / "rec_full", tmp_path / "rec_resumed"
     rec_full.mkdir(), rec_resumed.mkdir()
@@ -204,7 +204,7 @@ def test_expert_groups_inside_data_parallel(lm_data, tmp_path):
     rec.mkdir()
     _, out = fairseq_cli("train", lm_args(lm_data, tmp_path / "ck", 3, "--distributed-backend", "gloo",
                                           "--ddp-backend", "legacy_ddp", "--no-save", "--moe-expert-parallel-size",
-                                          "2", "--moe-placement-policy", "recording_policy:RecordingPolicy"),
+                                          "2", "--moe-placement", "recording_policy:RecordingPolicy"),
                          nproc=4, MEGAMOE_RECORD_DIR=str(rec))
     assert sorted(updates(out)) == [1, 2, 3], out[-3000:]
     last = [read_records(rec, r)[-1]["param_norms"] for r in range(4)]

@@ -104,7 +104,7 @@ BAD = [
     (["--moe-plugin", "--num-experts", "0"], "--num-experts"),
     (["--moe-plugin", "--moe-router-load-balancing-type", "sinkhorn"], "--moe-router-load-balancing-type"),
     (["--moe-plugin", "--moe-token-dispatcher-type", "flex"], "--moe-token-dispatcher-type"),
-    (["--moe-plugin", "--moe-plugin-placement-policy", "no_such_module:Policy"], "--moe-plugin-placement-policy"),
+    (["--moe-plugin", "--moe-plugin-placement", "no_such_module:Policy"], "--moe-plugin-placement"),
     (["--moe-plugin", "--moe-plugin-gate", "nope"], "--moe-plugin-gate"),
     (["--moe-plugin", "--moe-plugin-topology", "[[0,1]]", "--moe-plugin-gate", "hir"], "--moe-plugin-topology"),
 ]

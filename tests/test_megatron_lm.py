@@ -52,7 +52,7 @@ class ChainedRecordingPolicy(RecordingPolicy):
             ctx = dataclasses.replace(ctx, optimizer=chained[-1])
         return super().__call__(ctx)
 '''
-POLICY_ARGS = ["--moe-plugin-placement-policy", "megatron_lm_test_policy:ChainedRecordingPolicy"]
+POLICY_ARGS = ["--moe-plugin-placement", "megatron_lm_test_policy:ChainedRecordingPolicy"]
 
 
 @pytest.fixture(scope="module")

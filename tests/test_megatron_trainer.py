@@ -54,7 +54,7 @@ def records(record_dir, rank):
 def test_trainer_two_processes_loss_falls_and_hook_runs(layout, cache, tmp_path):
     iters = 8
     trace = str(tmp_path / "trace" / "routing")
-    losses, out = run(2, [*layout, "--train-iters", str(iters), "--moe-plugin-placement-policy",
+    losses, out = run(2, [*layout, "--train-iters", str(iters), "--moe-plugin-placement",
                           "recording_policy:RecordingPolicy", "--moe-plugin-trace-path", trace], cache,
                       record_dir=tmp_path)
     assert sorted(losses) == list(range(1, iters + 1)), out[-3000:]

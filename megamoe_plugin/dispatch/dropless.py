@@ -7,6 +7,8 @@
    dropped, no [tokens x experts x capacity] mask.
 4. Combine reverses the exchange and sums each token's k outputs weighted by the gate, by index.
 The only host synchronisation is one ``tolist`` of the counts (the all-to-all-v needs its split sizes on the host).
+With dynamic placement the routing's ids are vExpert slots (``placement.runtime.SlotRouting``), P x W of them:
+the same code, the "experts" are slots.
 """
 from __future__ import annotations
 
@@ -37,7 +39,8 @@ class DroplessDispatcher:
 
     def dispatch(self, x: torch.Tensor, routing: Routing) -> Tuple[torch.Tensor, List[int], _State]:
         T, k = routing.expert_ids.shape
-        E, P, El = self.num_experts, self.ep.size, self.num_local_experts
+        E, P = routing.counts.numel(), self.ep.size    # experts, or vExpert slots (placement/runtime.py)
+        El = E // P
         order = torch.argsort(routing.masked_ids, stable=True)
         if P == 1:
             send_counts = routing.counts.tolist()

@@ -11,6 +11,10 @@ in one place:
 - ``schedule == "smart"`` (FasterMoE paper 003 §4.2, dispatch/smart.py): a dropless call with expert parallelism
   runs dispatch + experts + combine as one pipelined grouped pairwise exchange (``run``); with one rank, or a
   capacity call, it is the plain path.
+- dynamic placement (``placement``, a ``placement.runtime.PlacementRuntime``): once experts are replicated,
+  moved or shadowed, the routing's logical ids become vExpert slot ids and the kept assignments go through the
+  dropless exchange (or the smart one) over slots; capacity, when used, has already decided in the gate which
+  assignments are kept. With the initial placement nothing changes.
 """
 from __future__ import annotations
 
@@ -25,10 +29,11 @@ from ..parallel import ExpertParallel
 from .capacity import CapacityDispatcher
 from .dropless import DroplessDispatcher
 from .smart import SmartDispatcher, schedule_groups
+from ..placement.runtime import PlacementRuntime, group_cache
 
 
 class DispatchPlan:
-    def __init__(self, cfg: MoEConfig, ep: ExpertParallel, topology=None):
+    def __init__(self, cfg: MoEConfig, ep: ExpertParallel, topology=None, edp_group=None):
         self.cfg, self.ep = cfg, ep
         self.dropless = DroplessDispatcher(cfg.num_experts, ep)
         self.capacity_dispatch = CapacityDispatcher(cfg.num_experts, ep)
@@ -36,6 +41,10 @@ class DispatchPlan:
         if cfg.schedule == "smart" and ep.enabled:
             self.smart = SmartDispatcher(cfg.num_experts, ep, schedule_groups(cfg, ep, topology))
         self.expert_capacity: Optional[List[int]] = None
+        self.placement: Optional[PlacementRuntime] = None
+        if not ep.layout_only:
+            self.placement = PlacementRuntime(cfg.num_experts, ep, cfg.slots_per_rank, edp_group=edp_group,
+                                              cache=group_cache(cfg.placement_group_cache))
 
     def set_expert_capacity(self, capacity: Optional[Sequence[int]]) -> None:
         """Fix each expert's capacity (per source rank), or None to go back to the capacity factor."""
@@ -67,6 +76,10 @@ class DispatchPlan:
     def dispatch(self, tokens: torch.Tensor, routing: Routing, capacity: Optional[List[int]], training: bool
                  ) -> Tuple[torch.Tensor, List[int], tuple]:
         """tokens [T, H] -> (expert input sorted by local expert, tokens per local expert, handle for combine)."""
+        slots = self._slot_routing(routing)
+        if slots is not routing:
+            expert_in, tokens_per_expert, state = self.dropless.dispatch(tokens, slots)
+            return expert_in, tokens_per_expert, (self.dropless, state)
         if capacity is None:
             expert_in, tokens_per_expert, state = self.dropless.dispatch(tokens, routing)
             return expert_in, tokens_per_expert, (self.dropless, state)
@@ -74,16 +87,23 @@ class DispatchPlan:
             tokens, routing, capacity, self.source_capacities(tokens.shape[0], tokens.device, training))
         return expert_in, tokens_per_expert, (self.capacity_dispatch, state)
 
+    def _slot_routing(self, routing: Routing):
+        """The routing over vExpert slots (or the routing itself while the placement is the initial one)."""
+        return routing if self.placement is None else self.placement.route_tokens(routing)
+
     def uses_smart(self, capacity: Optional[List[int]]) -> bool:
         """Whether a call with this capacity (None = dropless) runs the smart schedule."""
         return self.smart is not None and capacity is None
+
+    def run_smart(self, tokens: torch.Tensor, routing: Routing, experts) -> torch.Tensor:
+        return self.smart.forward(tokens, self._slot_routing(routing), experts)
 
     def run(self, tokens: torch.Tensor, routing: Routing, capacity: Optional[List[int]], training: bool,
             experts) -> torch.Tensor:
         """tokens [T, H] -> the layer output [T, H]: dispatch, the ExpertBank `experts`, combine (the smart
         schedule's pipelined exchange when it applies)."""
         if self.uses_smart(capacity):
-            return self.smart.forward(tokens, routing, experts)
+            return self.run_smart(tokens, routing, experts)
         expert_in, tokens_per_expert, handle = self.dispatch(tokens, routing, capacity, training)
         return self.combine(experts(expert_in, tokens_per_expert), handle, routing)
 

@@ -273,7 +273,8 @@ class SmartDispatcher:
 
     def plan(self, routing: Routing, device) -> tuple:
         """(order, send counts, the call's static plan): one stable argsort and one count exchange, as dropless."""
-        E, P, El = self.num_experts, self.ep.size, self.num_local_experts
+        E, P = routing.counts.numel(), self.ep.size    # experts, or vExpert slots (placement/runtime.py)
+        El = E // P
         order = torch.argsort(routing.masked_ids, stable=True)
         recv = exchange_counts(routing.counts, self.ep.group)
         host = torch.cat([routing.counts, recv]).tolist()              # the one host sync of the layer
@@ -306,6 +307,6 @@ class SmartDispatcher:
         position = torch.full((T * k,), n, dtype=torch.long, device=x.device)
         position[order] = torch.arange(n, device=x.device)
         rows = gather_rows(x, order // k)
-        back = SmartExchange.apply(rows, bank.w1, bank.w2, bank.b1, bank.b2, call, bank.activation,
+        back = SmartExchange.apply(rows, *bank.weights(), call, bank.activation,
                                    bank.cpu_lanes, bank.cpu_gemm)
         return weighted_combine(back, position.view(T, k), routing.weights)

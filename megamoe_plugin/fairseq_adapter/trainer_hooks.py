@@ -5,7 +5,7 @@ unless the model has plugin MoE layers (``model.moe_config``), so other models t
 
 - ``Trainer.__init__``: reject settings that cannot work with sharded experts (``args.check_trainer_settings``).
 - ``Trainer.train_step``: routing traces of training steps (``--moe-trace-path``, ``TrainingTrace``); after every
-  successful update, the after-step hook (``--moe-placement-policy``, every
+  successful update, the after-step hook (``--moe-placement``, every
   ``--moe-placement-interval`` updates) with the model, optimizer and update number (FlexMoE paper 001 §3:
   placement changes happen between optimizer steps). An update skipped by the fp16 scaler is not a step.
 - ``FairseqOptimizer.all_reduce_grads`` and ``utils.clip_grad_norm_``: expert gradients (``distributed.py``).

@@ -2,7 +2,7 @@
 
 ``PluginStepHooks.after_step(model, optimizer, iteration)`` runs on every rank right after ``optimizer.step()``
 (FlexMoE paper 001 §3: experts are re-placed between steps, when the optimizer state matches the weights). It
-calls the core ``AfterStepHook`` (the policy named by ``--moe-plugin-placement-policy``, every
+calls the core ``AfterStepHook`` (the policy named by ``--moe-plugin-placement``, every
 ``--moe-plugin-placement-interval`` steps) with Megatron's model chunks, optimizer, iteration and the MoE layers.
 Trainers: the megatron-core example calls it directly; for Megatron-LM's ``pretrain_gpt.py``,
 ``megatron_lm.install_megatron_lm_hooks()`` wraps ``megatron.training.training.train_step`` so it is called after

@@ -7,7 +7,7 @@ around ``train_step``; fairseq: after ``trainer.train_step``); the hook calls th
 ``--moe-placement-interval`` steps.
 
 A policy is a callable ``policy(ctx: StepContext) -> None`` (or an object with ``__call__``). Name one with
-``--moe-placement-policy``:
+``--moe-placement``:
 - ``none`` (default): nothing runs;
 - a name added with ``@register_placement_policy("name")`` (a class or factory taking the MoEConfig);
 - ``package.module:attr``: imported, so a policy can live in the user's code without registering it first.
@@ -40,8 +40,8 @@ def registered_placement_policies() -> List[str]:
 
 
 def build_placement_policy(cfg: MoEConfig) -> Optional[Callable]:
-    """The policy object named by ``cfg.placement_policy`` (None for "none"). Errors name the flag."""
-    name = cfg.placement_policy
+    """The policy object named by ``cfg.placement`` (None for "none"). Errors name the flag."""
+    name = cfg.placement
     if name in ("", "none"):
         return None
     if name in _POLICIES:
@@ -51,9 +51,9 @@ def build_placement_policy(cfg: MoEConfig) -> Optional[Callable]:
         try:
             factory = getattr(importlib.import_module(module), attr)
         except (ImportError, AttributeError) as e:
-            raise ConfigError(f"{flag('placement_policy')}={name!r}: cannot import it ({e})") from None
+            raise ConfigError(f"{flag('placement')}={name!r}: cannot import it ({e})") from None
         return factory(cfg)
-    raise ConfigError(f"{flag('placement_policy')}={name!r}: unknown policy; known: "
+    raise ConfigError(f"{flag('placement')}={name!r}: unknown policy; known: "
                       f"{', '.join(registered_placement_policies())}, or package.module:attr")
 
 

@@ -1,6 +1,6 @@
 """A trivial placement policy for tests: records what the after-step hook saw, one JSON line per call.
 
-Named on a command line as ``--moe-plugin-placement-policy recording_policy:RecordingPolicy`` with this folder on
+Named on a command line as ``--moe-plugin-placement recording_policy:RecordingPolicy`` with this folder on
 PYTHONPATH; writes to ``$MEGAMOE_RECORD_DIR/rank<r>.jsonl``.
 """
 import json

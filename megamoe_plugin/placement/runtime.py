@@ -1,0 +1,389 @@
+"""PlacementRuntime: one MoE layer's live expert placement, executed (FlexMoE paper 001 §3.2-§4, FasterMoE paper
+003 §4.1). ``PlacementState`` (state.py) says where experts live; this module makes the layer compute that way.
+
+Per layer and expert-parallel group (every group of a data-parallel job holds the same placement, so the
+expert-data-parallel gradient reduction still pairs equal slots):
+
+* **vExpert slots.** The layer's ``ExpertBank`` has ``slots_per_rank`` slots (its E/P experts + spare ones); rank q's
+  slot i is global slot ``q * W + i`` (W = slots + shadow copies this step). A free slot holds zeros.
+* **Routing to slots** (``route_tokens``): logical expert ids become global slot ids before the (unchanged)
+  dropless exchange. An expert with one replica is a table lookup. When some expert has several, every rank
+  all-gathers the [P, E] counts of the call and computes FlexMoE Algorithm 3 (``PlacementState.route(integer=
+  True)``, identical integers on every rank): this rank's tokens of expert e, in their sorted order, are cut into
+  runs, one per replica, sized by its row. Shadowed experts' tokens stay on their source (FasterMoE). No loop
+  over tokens; one extra host sync per layer only while replicas exist.
+* **Replica gradients** (``_ReplicaGradSync``): an identity on the bank's weights whose backward all-reduces the
+  rows of every replicated expert over the ranks holding it, in ascending logical expert id on every rank (no
+  deadlock: the lowest pending expert's ranks are all ready for it, paper 001 §4). The groups come from
+  ``GroupCache`` (an LRU of process groups, created together by every rank between steps).
+* **Shadowing** (``_ShadowCopies``): the chosen experts' rows are broadcast from their owner (first replica) to
+  every rank of the group at the start of the layer's forward and appended as extra slots; their gradients are
+  reduced back to the owner's row in backward (paper 003 §4.1). The optimizer never sees the copies.
+* **Moves** (``execute``): Expand / Migrate send the expert's parameter rows AND the optimizer-state rows that go
+  with them (Adam moments, fp32 master weights: ``optim_state.param_state_tensors``) point-to-point src -> dst,
+  between optimizer steps; Shrink (and the source of a Migrate) zeroes the freed slot, with no communication.
+
+Checkpoints: ``logical_rows`` / ``slot_experts`` let the adapters save experts by logical id whatever the
+placement and load them into any placement and expert-parallel size (checkpoint.py).
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Dict, Iterable, List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+
+from ..parallel import ExpertParallel
+from .optim_state import param_state_tensors
+from .state import Move, PlacementError, PlacementState
+
+__all__ = ["PlacementRuntime", "GroupCache", "SlotRouting", "apply_placement", "group_cache"]
+
+
+@dataclass
+class SlotRouting:
+    """A Routing whose expert ids are global slot ids: what the dropless and smart dispatchers consume."""
+    expert_ids: torch.Tensor       # [T, k] (only its shape is read)
+    weights: torch.Tensor          # [T, k] combine weights, unchanged
+    masked_ids: torch.Tensor       # [T*k] global slot of every assignment, num_slots for dropped ones
+    counts: torch.Tensor           # [num_slots] assignments this rank sends to each slot
+
+
+# --- process groups of replica sets: an LRU cache, created collectively ---------------------------------------------
+class GroupCache:
+    """LRU cache of process groups keyed by their sorted global ranks (FlexMoE §4: communicators per replica set
+    are cached, the least recently used evicted). ``ensure`` is collective over the default group: every rank says
+    which groups it misses, and all ranks create the union in one order (``new_group`` needs every rank)."""
+
+    def __init__(self, capacity: int = 32):
+        self.capacity = int(capacity)
+        self._groups: "OrderedDict[Tuple[int, ...], object]" = OrderedDict()
+        self.created = 0
+
+    def get(self, ranks: Sequence[int]):
+        key = tuple(sorted(int(r) for r in ranks))
+        if key not in self._groups:
+            raise PlacementError(f"no process group for ranks {key}: GroupCache.ensure must run first (every rank, "
+                                 "between steps)")
+        self._groups.move_to_end(key)
+        return self._groups[key]
+
+    def ensure(self, needed: Iterable[Sequence[int]]) -> int:
+        """Collective. Make the groups of ``needed`` (this rank's) available on their members; returns how many
+        groups were created."""
+        mine = sorted({tuple(sorted(int(r) for r in g)) for g in needed if len(g) > 1})
+        for key in mine:
+            if key in self._groups:
+                self._groups.move_to_end(key)
+        missing = [k for k in mine if k not in self._groups]
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        if world > 1:
+            everyone: List[Optional[list]] = [None] * world
+            dist.all_gather_object(everyone, missing)
+            union = sorted({tuple(k) for part in everyone for k in part})
+        else:
+            union = missing
+        for key in union:
+            self._groups[key] = dist.new_group(list(key)) if world > 1 else None
+            self.created += 1
+        keep = set(mine)
+        while len(self._groups) > self.capacity:
+            victim = next((k for k in self._groups if k not in keep), None)
+            if victim is None:
+                break
+            g = self._groups.pop(victim)
+            if g is not None and g != dist.GroupMember.NON_GROUP_MEMBER:
+                try:
+                    dist.destroy_process_group(g)
+                except Exception:       # a backend without per-group teardown: dropping the handle is enough
+                    pass
+        return len(union)
+
+    def __len__(self):
+        return len(self._groups)
+
+
+_CACHE: Optional[GroupCache] = None
+
+
+def group_cache(capacity: int = 32) -> GroupCache:
+    """The process-wide replica group cache (one per process: groups are shared by all layers)."""
+    global _CACHE
+    if _CACHE is None:
+        _CACHE = GroupCache(capacity)
+    _CACHE.capacity = max(_CACHE.capacity, int(capacity))
+    return _CACHE
+
+
+# --- autograd pieces -------------------------------------------------------------------------------------------------
+class _ReplicaGradSync(torch.autograd.Function):
+    """Identity on the bank's weights; backward sums each replicated expert's rows over its ranks."""
+
+    @staticmethod
+    def forward(ctx, plan, *weights):
+        ctx.plan = plan
+        return tuple(w.view_as(w) for w in weights)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        grads = [torch.zeros_like(g) if g is None else g.contiguous() for g in grads]
+        for slot, group in ctx.plan:                         # ascending logical expert id
+            flat = torch.cat([g[slot].reshape(-1) for g in grads])
+            dist.all_reduce(flat, group=group)
+            off = 0
+            for g in grads:
+                n = g[slot].numel()
+                g[slot].copy_(flat[off:off + n].view_as(g[slot]))
+                off += n
+        return (None, *grads)
+
+
+class _ShadowCopies(torch.autograd.Function):
+    """[K, ...] copies of the shadowed experts' rows, broadcast from their owners; backward reduces the copies'
+    gradients to the owners' rows."""
+
+    @staticmethod
+    def forward(ctx, spec, *weights):
+        entries, group, me = spec                    # entries: (owner ep rank, owner global rank, owner slot)
+        ctx.spec, ctx.shapes = spec, [w.shape for w in weights]
+        outs = [w.new_empty((len(entries),) + tuple(w.shape[1:])) for w in weights]
+        for j, (owner, owner_global, slot) in enumerate(entries):
+            if me == owner:
+                flat = torch.cat([w[slot].reshape(-1) for w in weights])
+            else:
+                flat = weights[0].new_empty(sum(w[0].numel() for w in weights))
+            dist.broadcast(flat, src=owner_global, group=group)
+            off = 0
+            for o in outs:
+                n = o[j].numel()
+                o[j].copy_(flat[off:off + n].view_as(o[j]))
+                off += n
+        return tuple(outs)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        entries, group, me = ctx.spec
+        ref = next(g for g in grads if g is not None)
+        grads = [torch.zeros((len(entries),) + tuple(s[1:]), dtype=ref.dtype, device=ref.device) if g is None
+                 else g.contiguous() for g, s in zip(grads, ctx.shapes)]
+        out = [torch.zeros(s, dtype=ref.dtype, device=ref.device) for s in ctx.shapes]
+        for j, (owner, owner_global, slot) in enumerate(entries):
+            flat = torch.cat([g[j].reshape(-1) for g in grads])
+            dist.reduce(flat, dst=owner_global, group=group)
+            if me == owner:
+                off = 0
+                for o in out:
+                    n = o[slot].numel()
+                    o[slot].add_(flat[off:off + n].view_as(o[slot]))
+                    off += n
+        return (None, *out)
+
+
+# --- the runtime -----------------------------------------------------------------------------------------------------
+class PlacementRuntime:
+    """The placement of one MoE layer on its expert-parallel group (module docstring)."""
+
+    def __init__(self, num_experts: int, ep: ExpertParallel, slots_per_rank: int, edp_group=None,
+                 cache: Optional[GroupCache] = None):
+        self.ep, self.edp_group = ep, edp_group
+        self.num_experts, self.slots_per_rank = int(num_experts), int(slots_per_rank)
+        self.state = PlacementState(num_experts, ep.size, slots_per_rank, max_replicas_per_rank=1)
+        self.shadowed: List[int] = []
+        self.cache = cache if cache is not None else group_cache()
+        self.step_counts: Optional[torch.Tensor] = None     # this rank's [E] counts since the last policy run
+        self.moves_done = 0
+        self.bytes_moved = 0
+        self._rebuild()
+
+    # --- derived tables ----------------------------------------------------------------------------------------
+    def _rebuild(self) -> None:
+        P, S, E, me = self.ep.size, self.slots_per_rank, self.num_experts, self.ep.rank
+        shadow = [e for e in self.shadowed]
+        self.width = S + len(shadow)                       # slots per rank in this step's dispatch
+        self.num_slots = P * self.width
+        W = self.width
+        slot_eq = torch.full((E, P), -1, dtype=torch.long)
+        for q in range(P):
+            for i, e in enumerate(self.state.slots_of(q)):
+                if e is not None:
+                    slot_eq[e, q] = q * W + i
+        for j, e in enumerate(shadow):
+            slot_eq[e, :] = -1
+            slot_eq[e, me] = me * W + S + j
+        self._slot_eq = slot_eq
+        self._shadow_set = set(shadow)
+        self._replicated = any(self.state.num_replicas(e) > 1 for e in range(E) if e not in self._shadow_set)
+        lookup = torch.full((E + 1,), self.num_slots, dtype=torch.long)
+        if not self._replicated:
+            lookup[:E] = slot_eq.max(1).values
+        self._lookup = lookup
+        self._device_tables: Dict[str, tuple] = {}
+        canonical = PlacementState(E, P, S, max_replicas_per_rank=1)
+        self.trivial = (not shadow and self.state == canonical and S == E // P)
+        # replica all-reduce plan: (my slot, group) per replicated expert I hold, ascending logical id
+        self._sync_plan_keys = []
+        for e, ranks in self.state.replica_groups():       # shadowed ones too: their replicas must stay equal
+            if me in ranks:
+                self._sync_plan_keys.append((self.state.slots_of(me).index(e),
+                                             tuple(self.ep.global_ranks[r] for r in ranks), len(ranks) == P))
+        self._shadow_entries = []
+        for e in shadow:
+            owner = self.state.replicas(e)[0]
+            self._shadow_entries.append((owner, self.ep.global_ranks[owner], self.state.slots_of(owner).index(e)))
+
+    def _tables(self, device) -> tuple:
+        key = str(device)
+        if key not in self._device_tables:
+            self._device_tables[key] = (self._lookup.to(device), self._slot_eq.reshape(-1).to(device))
+        return self._device_tables[key]
+
+    def needed_groups(self) -> List[Tuple[int, ...]]:
+        """Global-rank tuples of the replica all-reduce groups this rank takes part in (not the whole EP group)."""
+        return [ranks for _, ranks, whole in self._sync_plan_keys if not whole]
+
+    # --- forward: logical experts -> slots ----------------------------------------------------------------------
+    def route_tokens(self, routing) -> SlotRouting:
+        """Routing (logical ids) -> SlotRouting (global slot ids) for this call; see the module docstring. With
+        the initial placement and nothing shadowed, the routing itself (expert id = slot id)."""
+        counts = routing.counts
+        self._accumulate(counts)
+        if self.trivial:
+            return routing
+        ids = routing.masked_ids
+        lookup, slot_eq = self._tables(ids.device)
+        if not self._replicated:
+            new_ids = lookup[ids]
+            new_counts = torch.zeros(self.num_slots, dtype=counts.dtype, device=counts.device)
+            new_counts.index_add_(0, lookup[:-1], counts)
+            return SlotRouting(routing.expert_ids, routing.weights, new_ids, new_counts)
+        P, E, me = self.ep.size, self.num_experts, self.ep.rank
+        parts = [torch.empty_like(counts) for _ in range(P)]
+        dist.all_gather(parts, counts.contiguous(), group=self.ep.group)
+        allc = torch.stack(parts).cpu()                                   # the extra host sync (replicas only)
+        routed = allc.clone()
+        shadow = sorted(self._shadow_set)
+        if shadow:
+            routed[:, shadow] = 0
+        split = self.state.route(routed, integer=True)[me]                # [E, P] my tokens of e to rank q
+        for e in shadow:
+            split[e, me] = allc[me, e]
+        n = int(allc[me].sum())
+        order = torch.argsort(ids, stable=True)[:n]
+        runs = split.reshape(-1).to(ids.device)
+        dest = torch.repeat_interleave(slot_eq.clamp_min(0), runs, output_size=n)
+        new_ids = torch.full_like(ids, self.num_slots)
+        new_ids[order] = dest
+        new_counts = torch.zeros(self.num_slots, dtype=counts.dtype, device=counts.device)
+        new_counts.index_add_(0, slot_eq.clamp_min(0), runs.to(counts.dtype))
+        return SlotRouting(routing.expert_ids, routing.weights, new_ids, new_counts)
+
+    def _accumulate(self, counts: torch.Tensor) -> None:
+        if not torch.is_grad_enabled():
+            return                                   # inference / validation calls do not steer placement
+        c = counts.detach()
+        self.step_counts = c.clone() if self.step_counts is None else self.step_counts + c
+
+    # --- forward: the bank's weights as this step computes with them ---------------------------------------------
+    def expert_weights(self, bank) -> List[Optional[torch.Tensor]]:
+        """[w1, w2, b1, b2] of the slots this step computes: replica-synchronised, plus shadow copies."""
+        raw = [bank.w1, bank.w2, bank.b1, bank.b2]
+        present = [w for w in raw if w is not None]
+        if self._sync_plan_keys and torch.is_grad_enabled():
+            plan = [(slot, self.ep.group if whole else self.cache.get(ranks))
+                    for slot, ranks, whole in self._sync_plan_keys]
+            present = list(_ReplicaGradSync.apply(plan, *present))
+        if self._shadow_entries:
+            copies = _ShadowCopies.apply((self._shadow_entries, self.ep.group, self.ep.rank), *present)
+            present = [torch.cat([w, c], 0) for w, c in zip(present, copies)]
+        it = iter(present)
+        return [None if w is None else next(it) for w in raw]
+
+    # --- between steps -----------------------------------------------------------------------------------------
+    def set_shadowed(self, experts: Sequence[int]) -> None:
+        """Experts to shadow from the next forward on (FasterMoE Alg. 1's choice); [] for none."""
+        experts = [int(e) for e in experts]
+        bad = [e for e in experts if not 0 <= e < self.num_experts]
+        if bad or len(set(experts)) != len(experts):
+            raise PlacementError(f"shadowed experts must be distinct ids in 0..{self.num_experts - 1}: {experts}")
+        self.shadowed = experts
+        self._rebuild()
+
+    def take_step_counts(self) -> torch.Tensor:
+        """This rank's [E] counts since the last call (zeros when there was no training forward)."""
+        c = self.step_counts
+        self.step_counts = None
+        if c is None:
+            return torch.zeros(self.num_experts, dtype=torch.long)
+        return c
+
+    @torch.no_grad()
+    def execute(self, moves: Sequence[Move], bank, optimizer=None) -> int:
+        """Carry out ``moves`` on this rank's ``bank`` (and the optimizer state of its parameters) and apply them
+        to ``state``. Every rank of the expert-parallel group calls it with the same moves, between optimizer
+        steps. Returns the bytes this rank sent."""
+        me, sent = self.ep.rank, 0
+        params = [p for p in (bank.w1, bank.w2, bank.b1, bank.b2) if p is not None]
+        for mv in moves:
+            if mv.kind not in ("expand", "shrink", "migrate"):
+                raise PlacementError(f"unknown move kind {mv.kind!r}")
+            if mv.kind != "shrink" and mv.src != mv.dst:
+                if me == mv.src:
+                    for t in self._slot_tensors(params, optimizer, mv.src_slot):
+                        dist.send(t.contiguous(), dst=self.ep.global_ranks[mv.dst], group=self.ep.group)
+                        sent += t.numel() * t.element_size()
+                elif me == mv.dst:
+                    for t in self._slot_tensors(params, optimizer, mv.dst_slot):
+                        buf = torch.empty_like(t)
+                        dist.recv(buf, src=self.ep.global_ranks[mv.src], group=self.ep.group)
+                        t.copy_(buf)
+            if mv.kind in ("shrink", "migrate") and me == mv.src:
+                for t in self._slot_tensors(params, optimizer, mv.src_slot):
+                    t.zero_()
+            self.state.apply([mv])
+        self.moves_done += len(moves)
+        self.bytes_moved += sent
+        self._rebuild()
+        return sent
+
+    @staticmethod
+    def _slot_tensors(params, optimizer, slot: int) -> List[torch.Tensor]:
+        out = []
+        for p in params:
+            out.append(p.data[slot])
+            out += [t[slot] for t in param_state_tensors(optimizer, p)]
+        return out
+
+    # --- checkpoints by logical id -----------------------------------------------------------------------------
+    def slot_experts(self, rank: Optional[int] = None) -> List[Optional[int]]:
+        """Logical expert in each of ``rank``'s slots (default: this rank), None for a free slot."""
+        return self.state.slots_of(self.ep.rank if rank is None else rank)
+
+    def owner(self, expert: int) -> Tuple[int, int]:
+        """(ep rank, slot) of the replica that speaks for ``expert`` in checkpoints: its first one."""
+        r = self.state.replicas(expert)[0]
+        return r, self.state.slots_of(r).index(expert)
+
+    def logical_rows(self) -> List[int]:
+        """For every logical expert, its owner's row in the [P * slots_per_rank] concatenation of all ranks'
+        banks (what an all-gather of the bank gives)."""
+        return [r * self.slots_per_rank + s for r, s in (self.owner(e) for e in range(self.num_experts))]
+
+    def reset(self) -> None:
+        """Back to contiguous blocks, nothing shadowed (for a model whose slots were just filled that way)."""
+        self.state = PlacementState(self.num_experts, self.ep.size, self.slots_per_rank, max_replicas_per_rank=1)
+        self.shadowed = []
+        self._rebuild()
+
+
+def apply_placement(changes: Sequence[Tuple[PlacementRuntime, Sequence[Move], object]], optimizer=None) -> int:
+    """Collective over the default group, between optimizer steps: execute each (runtime, moves, bank) and make
+    the replica groups the new placements need. Every rank calls it (with its own layers; possibly none).
+    Returns the bytes this rank sent."""
+    sent = sum(rt.execute(moves, bank, optimizer) for rt, moves, bank in changes)
+    needed = [g for rt, _, _ in changes for g in rt.needed_groups()]
+    caches = {id(rt.cache): rt.cache for rt, _, _ in changes} or {id(group_cache()): group_cache()}
+    for cache in caches.values():
+        cache.ensure(needed)
+    return sent

@@ -1,0 +1,156 @@
+"""Placement at run time (issue 6): training with Expand / Shrink / Migrate / shadowing forced every step is the
+same training as without (losses, final weights and Adam state by logical id) on 2 and 4 real gloo processes; a
+checkpoint written after moves loads into EP=1 and EP=2 and gives the original model's loss; routing among
+replicas follows FlexMoE Alg. 3; the replica group cache; optimizer-state lookup through trainer wrappers."""
+import os
+import random
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from conftest import run_distributed
+from megamoe_plugin import MoEConfig, MoELayer
+from megamoe_plugin.layer import collect_aux_loss
+from megamoe_plugin.placement import PlacementState
+from megamoe_plugin.placement.checkpoint import gather_logical, load_logical, local_from_logical
+from megamoe_plugin.placement.optim_state import check_optimizer_supported, param_state_tensors
+from megamoe_plugin.placement.runtime import GroupCache, apply_placement
+
+H, F, T = 8, 12, 24
+
+
+def _cfg(world, **kw):
+    base = dict(num_experts=2 * world, top_k=2, gate="gshard", second_expert_policy="all", world_size=world,
+                expert_parallel_size=world, aux_loss_coeff=0.01, expert_bias=True)
+    base.update(kw)
+    return MoEConfig(**base)
+
+
+def _random_changes(rt, rng: random.Random, step: int):
+    """A random valid Move for this state (same on every rank: same seed) and a random shadow set."""
+    s = rt.state.copy()
+    E, P = s.num_experts, s.num_ranks
+    options = []
+    for e in range(E):
+        for r in range(P):
+            if s.free_slots(r) and not s.count(e, r):
+                options.append(("expand", e, r))
+                for src in s.ranks_of(e):
+                    options.append(("migrate", e, src, r))
+            if s.count(e, r) and s.num_replicas(e) > 1:
+                options.append(("shrink", e, r))
+    kinds = sorted({o[0] for o in options})
+    want = ("expand", "migrate", "shrink")[step % 3]               # every kind comes up, at random places
+    kind_first = want if want in kinds else rng.choice(kinds)
+    op = rng.choice([o for o in options if o[0] == kind_first])
+    if op[0] == "expand":
+        mv = s.expand(op[1], op[2])
+    elif op[0] == "migrate":
+        mv = s.migrate(op[1], op[2], op[3])
+    else:
+        mv = s.shrink(op[1], op[2])
+    shadow = rng.sample(range(E), rng.choice([0, 1, 2]))
+    return [mv], shadow
+
+
+def _data(rank, step):
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    return torch.randn(T, H, generator=g), torch.randn(T, H, generator=g)
+
+
+def _train_step(layer, opt, x, target):
+    opt.zero_grad()
+    y = layer(x)
+    loss = ((y - target) ** 2).mean() + collect_aux_loss(layer)
+    loss.backward()
+    if dist.get_world_size() > 1:             # the gate is data parallel: what DDP does for it
+        for p in layer.gate.parameters():
+            dist.all_reduce(p.grad)
+            p.grad /= dist.get_world_size()
+        for p in layer.experts.parameters():  # DDP's averaging of expert grads over data-parallel ranks: 1/world
+            p.grad /= dist.get_world_size()
+    opt.step()
+    return loss.detach()
+
+
+def _equivalence(rank, world, steps, out_dir):
+    torch.manual_seed(0)
+    ref = MoELayer(_cfg(world), H, F, ep_group=dist.group.WORLD)
+    moved = MoELayer(_cfg(world, placement_spare_slots=2), H, F, ep_group=dist.group.WORLD)
+    El = 2
+    with torch.no_grad():
+        for (n, p), q in zip(ref.named_parameters(), moved.parameters()):
+            q[:p.shape[0]].copy_(p) if n.startswith("experts.") else q.copy_(p)
+    opt_ref = torch.optim.Adam(ref.parameters(), lr=1e-2)
+    opt_mov = torch.optim.Adam(moved.parameters(), lr=1e-2)
+    rt = moved.plan.placement
+    rng = random.Random(42)
+    kinds, shadowed_steps = set(), 0
+    for step in range(steps):
+        x, target = _data(rank, step)
+        l_ref = _train_step(ref, opt_ref, x, target)
+        l_mov = _train_step(moved, opt_mov, x, target)
+        assert torch.allclose(l_ref, l_mov, rtol=1e-5, atol=1e-6), (step, l_ref.item(), l_mov.item())
+        moves, shadow = _random_changes(rt, rng, step)
+        kinds.update(m.kind for m in moves)
+        apply_placement([(rt, moves, moved.experts)], opt_mov)
+        rt.set_shadowed(shadow)
+        shadowed_steps += bool(shadow)
+    assert kinds == {"expand", "shrink", "migrate"}, kinds
+    assert shadowed_steps > 0
+    assert any(rt.state.num_replicas(e) > 1 for e in range(rt.num_experts)) or rt.moves_done > 0
+    # every slot holds its expert's weights and Adam state exactly as the reference holds them
+    full_ref = gather_logical(ref.experts, ref.plan.placement, opt_ref)
+    for name, p in moved.experts.named_parameters():
+        want = local_from_logical(full_ref[name], rt)
+        assert torch.allclose(p.detach(), want, rtol=1e-4, atol=1e-6), name
+        for i, t in enumerate(param_state_tensors(opt_mov, p)):
+            assert torch.allclose(t, local_from_logical(full_ref[f"{name}/{i}"], rt), rtol=1e-4, atol=1e-7)
+    for p, q in zip(ref.gate.parameters(), moved.gate.parameters()):
+        assert torch.allclose(p, q, rtol=1e-4, atol=1e-6)
+    # checkpoint by logical id, written after the moves
+    full = gather_logical(moved.experts, rt)
+    x, target = _data(rank, 999)
+    with torch.no_grad():
+        loss = ((moved(x) - target) ** 2).mean()
+    if rank == 0:
+        torch.save({"experts": full, "gate": moved.gate.state_dict()}, os.path.join(out_dir, "ckpt.pt"))
+    torch.save(loss, os.path.join(out_dir, f"loss{rank}.pt"))
+    dist.barrier()
+
+
+def _load_and_eval(rank, world, out_dir, source_world):
+    ckpt = torch.load(os.path.join(out_dir, "ckpt.pt"))
+    cfg = _cfg(source_world, world_size=world, expert_parallel_size=world)
+    layer = MoELayer(cfg, H, F, ep_group=dist.group.WORLD if world > 1 else None)
+    layer.gate.load_state_dict(ckpt["gate"])
+    load_logical(layer.experts, layer.plan.placement, ckpt["experts"])
+    for src in range(source_world):
+        if src % world != rank:
+            continue
+        x, target = _data(src, 999)
+        with torch.no_grad():
+            loss = ((layer(x) - target) ** 2).mean() if world == 1 else None
+        if world == 1:
+            want = torch.load(os.path.join(out_dir, f"loss{src}.pt"))
+            assert torch.allclose(loss, want, rtol=1e-5), (src, loss.item(), want.item())
+    if world > 1:      # every rank evaluates its own source's tokens together (EP needs all ranks in the call)
+        x, target = _data(rank, 999)
+        with torch.no_grad():
+            loss = ((layer(x) - target) ** 2).mean()
+        want = torch.load(os.path.join(out_dir, f"loss{rank}.pt"))
+        assert torch.allclose(loss, want, rtol=1e-5), (rank, loss.item(), want.item())
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_forced_moves_are_the_same_training(world, tmp_path):
+    run_distributed(_equivalence, world, 6 if world == 2 else 4, str(tmp_path))
+    # the checkpoint written after the moves, in one process (EP=1) ...
+    _single(lambda: _load_and_eval(0, 1, str(tmp_path), world))
+    # ... and on 2 ranks (EP=2: rank r evaluates source r's tokens)
+    run_distributed(_load_and_eval, 2, str(tmp_path), world)
+
+
+def _single(fn):
+    fn()
