@@ -5,6 +5,10 @@
   token routing among replicas (Alg. 3, ``flexible_route``, also behind ``perfmodel.cost.CostModel.route``);
 * ``flexmoe``: ``FlexMoEPlanner`` (balance-ratio trigger, Policy Maker Alg. 2, Migrate) and ``StaticPlanner``;
 * ``shadow``: FasterMoE's shadow selection (Alg. 1) and ``ShadowPlanner``;
+* ``runtime``: ``PlacementRuntime``, the live placement of one layer (tokens to vExpert slots, replica gradient
+  all-reduce, shadow copies, moves carrying optimizer state); ``optim_state`` finds that state in trainers'
+  optimizers; ``checkpoint`` saves and loads experts by logical id;
+* ``policies``: ``--moe-placement flexmoe`` and ``shadow``, run by the after-step hook;
 * ``simulate``: the planners replayed through routing traces on the performance model, with FlexMoE §5.4 metrics.
 
 The planners are pure and deterministic (no process group): the runtime calls them on every rank with the same
@@ -16,6 +20,8 @@ first use of their names here (``from megamoe_plugin.placement import FlexMoEPla
 from .hooks import (AfterStepHook, StepContext, build_placement_policy, register_placement_policy,
                     registered_placement_policies)
 from .state import Move, PlacementError, PlacementState, flexible_route, model_state_bytes
+from .runtime import PlacementRuntime, apply_placement
+from . import policies  # registers --moe-placement flexmoe and shadow
 
 _LAZY = {
     "FlexMoEPlanner": "flexmoe", "StaticPlanner": "flexmoe",
@@ -25,7 +31,7 @@ _LAZY = {
 
 __all__ = ["AfterStepHook", "StepContext", "build_placement_policy", "register_placement_policy",
            "registered_placement_policies", "Move", "PlacementError", "PlacementState", "flexible_route",
-           "model_state_bytes"] + sorted(_LAZY)
+           "model_state_bytes", "PlacementRuntime", "apply_placement"] + sorted(_LAZY)
 
 
 def __getattr__(name):

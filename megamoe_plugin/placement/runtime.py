@@ -193,6 +193,7 @@ class PlacementRuntime:
         self.shadowed: List[int] = []
         self.cache = cache if cache is not None else group_cache()
         self.step_counts: Optional[torch.Tensor] = None     # this rank's [E] counts since the last policy run
+        self.step_dropped: Optional[torch.Tensor] = None    # and its dropped assignments (capacity dispatch)
         self.moves_done = 0
         self.bytes_moved = 0
         self._rebuild()
@@ -248,7 +249,7 @@ class PlacementRuntime:
         """Routing (logical ids) -> SlotRouting (global slot ids) for this call; see the module docstring. With
         the initial placement and nothing shadowed, the routing itself (expert id = slot id)."""
         counts = routing.counts
-        self._accumulate(counts)
+        self._accumulate(counts, routing.dropped)
         if self.trivial:
             return routing
         ids = routing.masked_ids
@@ -279,11 +280,12 @@ class PlacementRuntime:
         new_counts.index_add_(0, slot_eq.clamp_min(0), runs.to(counts.dtype))
         return SlotRouting(routing.expert_ids, routing.weights, new_ids, new_counts)
 
-    def _accumulate(self, counts: torch.Tensor) -> None:
+    def _accumulate(self, counts: torch.Tensor, dropped: torch.Tensor) -> None:
         if not torch.is_grad_enabled():
             return                                   # inference / validation calls do not steer placement
-        c = counts.detach()
+        c, d = counts.detach(), dropped.detach()
         self.step_counts = c.clone() if self.step_counts is None else self.step_counts + c
+        self.step_dropped = d.clone() if self.step_dropped is None else self.step_dropped + d
 
     # --- forward: the bank's weights as this step computes with them ---------------------------------------------
     def expert_weights(self, bank) -> List[Optional[torch.Tensor]]:
@@ -317,6 +319,11 @@ class PlacementRuntime:
         if c is None:
             return torch.zeros(self.num_experts, dtype=torch.long)
         return c
+
+    def take_dropped(self) -> float:
+        """This rank's dropped assignments since the last call."""
+        d, self.step_dropped = self.step_dropped, None
+        return 0.0 if d is None else float(d)
 
     @torch.no_grad()
     def execute(self, moves: Sequence[Move], bank, optimizer=None) -> int:

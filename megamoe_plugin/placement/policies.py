@@ -1,0 +1,213 @@
+"""The built-in placement policies ``--moe-placement flexmoe`` and ``--moe-placement shadow``: what runs in the
+after-step hook (hooks.py) on every rank between two optimizer steps.
+
+Each run, for every MoE layer of this rank (in model order):
+
+1. the last steps' routing: the [E] counts this rank's training forwards sent (``PlacementRuntime.step_counts``),
+   all-gathered over the expert-parallel group into [P, E] and summed over the expert-data-parallel group, so
+   every expert-parallel group of the job plans from the same numbers and keeps the same placement (its slots are
+   reduced together);
+2. the decision, deterministic, on every rank:
+   * ``flexmoe``: ``FlexMoEPlanner`` (paper 001 Alg. 1-2: balance-ratio trigger ``--moe-placement-threshold``,
+     Expand the hottest per-vExpert load, Shrink the coldest, keep a change only when the cost model predicts a
+     gain net of its transfer, then Migrate for cheaper synchronisation; at most ``--moe-placement-max-moves``);
+   * ``shadow``: ``ShadowPlanner`` (paper 003 Alg. 1 with Eqs. 7-8): the experts to shadow in the next steps;
+   the ranks of an expert-parallel group check that they agree (one tiny all-reduce);
+3. execution: ``apply_placement`` moves parameters + optimizer state point to point and prepares the replica
+   groups (collective over the default group: every rank calls it, with or without moves).
+
+The cost model is the hardware profile ``--moe-placement-profile`` (a named profile or the JSON that ``megamoe perf
+calibrate`` writes for this machine) at the expert-parallel size, with the layer's real shape.
+
+``metrics`` after a run (floats; layer means for ratios, sums for counts): ``balance_ratio`` (Eq. 6 of the last
+steps' routing under the placement they ran with), ``balance_ratio_next`` (the same counts under the new
+placement), ``token_efficiency`` (kept / routed assignments), ``expert_efficiency`` (useful expert rows / (P x
+the busiest rank's rows)), ``replicas`` (vExperts beyond one per expert, shadow copies included), ``shadowed``,
+``moves``, ``bytes_moved`` (model-state bytes sent by the group's ranks), ``predicted_step_s`` (the cost model's
+MoE-layer time of the last steps' counts, summed over layers) and ``measured_step_s`` (wall time per optimizer
+step since the previous run, the whole training step).
+"""
+from __future__ import annotations
+
+import time
+import zlib
+from typing import Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+
+from ..config import ConfigError, MoEConfig, flag
+from .hooks import StepContext, register_placement_policy
+from .optim_state import check_optimizer_supported
+from .runtime import apply_placement
+
+__all__ = ["FlexMoEPolicy", "ShadowPolicy", "global_counts"]
+
+
+def global_counts(rt) -> torch.Tensor:
+    """Collective over the layer's expert-parallel (then expert-data-parallel) group: [P, E] float64 counts of the
+    training forwards since the last call, source rank x expert."""
+    mine = rt.take_step_counts().to(torch.float64)
+    parts = [mine]
+    if rt.ep.size > 1:
+        parts = [torch.empty_like(mine) for _ in range(rt.ep.size)]
+        dist.all_gather(parts, mine.contiguous(), group=rt.ep.group)
+    counts = torch.stack(parts)
+    if rt.edp_group is not None and dist.is_initialized() and dist.get_world_size(rt.edp_group) > 1:
+        dist.all_reduce(counts, group=rt.edp_group)
+    return counts.cpu()
+
+
+def _rank_loads(state, counts: torch.Tensor, shadowed) -> torch.Tensor:
+    c = counts.clone()
+    local = torch.zeros(state.num_ranks, dtype=torch.float64)
+    for e in shadowed:
+        local += c[:, e]
+        c[:, e] = 0
+    return state.route(c).sum((0, 1)) + local
+
+
+def _agree(rt, decision) -> None:
+    """The ranks of an expert-parallel group must have planned the same thing."""
+    if rt.ep.size == 1:
+        return
+    h = zlib.crc32(repr(decision).encode()) & 0x7FFFFFFF
+    t = torch.tensor([h, -h], dtype=torch.long)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=rt.ep.group)
+    if int(t[0]) != h or int(t[1]) != -h:
+        raise RuntimeError("megamoe-plugin placement: the ranks of an expert-parallel group planned different "
+                           "placements from the same counts (non-deterministic planner?)")
+
+
+class _Policy:
+    name = ""
+
+    def __init__(self, cfg: MoEConfig):
+        from ..perfmodel.profiles import get_profile
+        self.cfg = cfg
+        try:
+            self.profile = get_profile(cfg.placement_profile)
+        except ValueError as e:
+            raise ConfigError(f"{flag('placement_profile')}={cfg.placement_profile!r}: {e}") from None
+        self._cost_models: Dict[tuple, object] = {}
+        self._planners: Dict[tuple, object] = {}
+        self.metrics: Dict[str, float] = {}
+        self.runs = 0
+        self.total_moves = 0
+        self.total_bytes = 0
+        self._clock: Optional[float] = None
+        self._last_iteration: Optional[int] = None
+        self._checked_optimizer = False
+
+    def _cm(self, bank, num_experts: int, num_ranks: int):
+        from ..perfmodel.cost import LayerShape
+        key = (bank.hidden_size, bank.ffn_hidden_size, num_experts, num_ranks, bank.w1.element_size())
+        if key not in self._cost_models:
+            shape = LayerShape(bank.hidden_size, bank.ffn_hidden_size, num_experts,
+                               bytes_per_element=bank.w1.element_size())
+            self._cost_models[key] = self.profile.cost_model(shape, world_size=num_ranks)
+        return key, self._cost_models[key]
+
+    def decide(self, key, cm, rt, counts):
+        raise NotImplementedError
+
+    def __call__(self, ctx: StepContext) -> None:
+        if not self._checked_optimizer:
+            check_optimizer_supported(ctx.optimizer)
+            self._checked_optimizer = True
+        now = time.perf_counter()
+        measured = None
+        if self._clock is not None and self._last_iteration is not None and ctx.iteration > self._last_iteration:
+            measured = (now - self._clock) / (ctx.iteration - self._last_iteration)
+        changes, rows = [], []
+        for layer in ctx.moe_layers:
+            rt = getattr(layer.plan, "placement", None)
+            if rt is None:
+                continue
+            bank = layer.experts_bank
+            counts = global_counts(rt)
+            dropped = rt.take_dropped()
+            key, cm = self._cm(bank, rt.num_experts, rt.ep.size)
+            before_loads = _rank_loads(rt.state, counts, rt.shadowed)
+            predicted = cm.shadow_layer_time(counts, rt.shadowed, rt.state.placement()).total if rt.shadowed \
+                else cm.layer_time(counts, rt.state.placement()).total
+            moves, shadow = self.decide(key, cm, rt, counts)
+            _agree(rt, (moves, shadow))
+            changes.append((rt, moves, bank))
+            rows.append((rt, counts, dropped, before_loads, predicted, moves, shadow))
+        sent = apply_placement(changes, ctx.optimizer)
+        for rt, _, _, _, _, _, shadow in rows:
+            if shadow is not None:
+                rt.set_shadowed(shadow)
+        self._report(rows, sent, measured)
+        self._clock, self._last_iteration = time.perf_counter(), ctx.iteration
+        self.runs += 1
+
+    def _report(self, rows, sent: int, measured: Optional[float]) -> None:
+        if not rows:
+            self.metrics = {}
+            return
+        bal, bal_next, tok, exp_num, exp_den = [], [], 0.0, 0.0, 0.0
+        replicas = shadowed = moves = 0
+        predicted = 0.0
+        routed = kept = 0.0
+        for rt, counts, dropped, loads, pred, mv, _ in rows:
+            total = float(loads.sum())
+            bal.append(float(loads.max()) * rt.ep.size / total if total > 0 else 1.0)
+            after = _rank_loads(rt.state, counts, rt.shadowed)
+            bal_next.append(float(after.max()) * rt.ep.size / total if total > 0 else 1.0)
+            kept += float(counts.sum())
+            routed += float(counts.sum()) + dropped
+            exp_num += total
+            exp_den += rt.ep.size * float(loads.max())
+            replicas += rt.state.total_replicas - rt.num_experts + len(rt.shadowed) * (rt.ep.size - 1)
+            shadowed += len(rt.shadowed)
+            moves += len(mv)
+            predicted += pred
+        group_bytes = torch.tensor([float(sent)], dtype=torch.float64)
+        rt0 = rows[0][0]
+        if rt0.ep.size > 1:
+            dist.all_reduce(group_bytes, group=rt0.ep.group)
+        self.total_moves += moves
+        self.total_bytes += int(group_bytes)
+        self.metrics = {
+            "balance_ratio": sum(bal) / len(bal), "balance_ratio_next": sum(bal_next) / len(bal_next),
+            "token_efficiency": kept / routed if routed > 0 else 1.0,
+            "expert_efficiency": exp_num / exp_den if exp_den > 0 else 1.0,
+            "replicas": float(replicas), "shadowed": float(shadowed), "moves": float(moves),
+            "bytes_moved": float(group_bytes), "predicted_step_s": predicted,
+        }
+        if measured is not None:
+            self.metrics["measured_step_s"] = measured
+
+
+@register_placement_policy("flexmoe")
+class FlexMoEPolicy(_Policy):
+    """FlexMoE (paper 001): Expand / Shrink / Migrate vExperts from the cost model (module docstring)."""
+    name = "flexmoe"
+
+    def __init__(self, cfg: MoEConfig):
+        super().__init__(cfg)
+        if cfg.slots_per_rank <= cfg.num_local_experts:
+            raise ConfigError(f"{flag('placement')}=flexmoe needs spare vExpert slots: "
+                              f"{flag('placement_spare_slots')}={cfg.placement_spare_slots} leaves none")
+
+    def decide(self, key, cm, rt, counts):
+        from .flexmoe import FlexMoEPlanner
+        if key not in self._planners:
+            self._planners[key] = FlexMoEPlanner(cm, threshold=self.cfg.placement_threshold,
+                                                 max_moves=self.cfg.placement_max_moves,
+                                                 horizon=float(self.cfg.placement_interval))
+        return self._planners[key].plan(rt.state, counts), None
+
+
+@register_placement_policy("shadow")
+class ShadowPolicy(_Policy):
+    """FasterMoE (paper 003 §4.1): shadow the experts Alg. 1 picks from the last steps' counts."""
+    name = "shadow"
+
+    def decide(self, key, cm, rt, counts):
+        from .shadow import ShadowPlanner
+        if key not in self._planners:
+            self._planners[key] = ShadowPlanner(cm)
+        return [], ShadowPlanner.plan(self._planners[key], rt.state, counts)
