@@ -154,3 +154,141 @@ def test_forced_moves_are_the_same_training(world, tmp_path):
 
 def _single(fn):
     fn()
+
+
+# --- routing among replicas is FlexMoE Alg. 3 -----------------------------------------------------------------------
+def _routing_follows_algorithm3(rank, world):
+    torch.manual_seed(1)
+    layer = MoELayer(_cfg(world, placement_spare_slots=1), H, F, ep_group=dist.group.WORLD)
+    rt = layer.plan.placement
+    apply_placement([(rt, [rt.state.copy().expand(0, 1)], layer.experts)])      # expert 0 on ranks 0 and 1
+    x = torch.randn(40 + 13 * rank, H)
+    routing = layer.gate(x)
+    slots = rt.route_tokens(routing)
+    parts = [torch.empty_like(routing.counts) for _ in range(world)]
+    dist.all_gather(parts, routing.counts)
+    want = rt.state.route(torch.stack(parts), integer=True)[rank]               # [E, P]
+    W = rt.width
+    for q in range(world):
+        for i, e in enumerate(rt.slot_experts(q)):
+            if e is not None:
+                assert int(slots.counts[q * W + i]) == int(want[e, q]), (q, i, e)
+    assert int(slots.counts.sum()) == int(routing.counts.sum())
+    # every kept assignment of expert e went to a slot holding e
+    kept = routing.masked_ids < rt.num_experts
+    owner_of_slot = torch.tensor([e if e is not None else -1 for q in range(world) for e in rt.slot_experts(q)])
+    assert torch.equal(owner_of_slot[slots.masked_ids[kept]], routing.masked_ids[kept])
+
+
+def test_routing_among_replicas_is_algorithm3():
+    run_distributed(_routing_follows_algorithm3, 2)
+
+
+# --- the policies through the after-step hook -------------------------------------------------------------------
+from megamoe_plugin.gates import Gate, register_gate  # noqa: E402
+from megamoe_plugin.placement import AfterStepHook  # noqa: E402
+
+
+@register_gate("test_placement_hot")
+class HotGate(Gate):
+    """Top-2 with experts 0 and 1 (both on rank 0) made popular: a skew the policies must react to."""
+
+    def select(self, logits, probs):
+        score = logits.detach().clone()
+        score[:, 0] += 3.0
+        score[:, 1] += 0.02
+        ids = torch.topk(score, self.top_k, dim=-1).indices
+        return ids, torch.ones_like(ids, dtype=torch.bool)
+
+
+def _slow_compute_profile(path):
+    from megamoe_plugin.perfmodel.profiles import get_profile
+    p = get_profile("flexmoe-a100")
+    p.gemm_tflops = 1e-6            # compute dominates: balancing pays off even for these tiny experts
+    p.save(path)
+    return path
+
+
+def _policy_run(rank, world, policy, profile):
+    torch.manual_seed(0)
+    kw = dict(gate="test_placement_hot", placement_profile=profile, placement_threshold=1.0)
+    ref = MoELayer(_cfg(world, **kw), H, F, ep_group=dist.group.WORLD)
+    cfg = _cfg(world, placement=policy, **kw)
+    moved = MoELayer(cfg, H, F, ep_group=dist.group.WORLD)
+    with torch.no_grad():
+        for (n, p), q in zip(ref.named_parameters(), moved.parameters()):
+            q[:p.shape[0]].copy_(p) if n.startswith("experts.") else q.copy_(p)
+    opt_ref = torch.optim.Adam(ref.parameters(), lr=1e-2)
+    opt_mov = torch.optim.Adam(moved.parameters(), lr=1e-2)
+    hook = AfterStepHook(cfg)
+    ever_shadowed = set()
+    for step in range(5):
+        x, target = _data(rank, step)
+        l_ref = _train_step(ref, opt_ref, x, target)
+        l_mov = _train_step(moved, opt_mov, x, target)
+        assert torch.allclose(l_ref, l_mov, rtol=1e-5, atol=1e-6), (step, l_ref.item(), l_mov.item())
+        assert hook.run(moved, opt_mov, step + 1)
+        first = first if step else dict(hook.policy.metrics)
+        ever_shadowed.update(moved.plan.placement.shadowed)
+    m = hook.policy.metrics
+    assert set(m) >= {"balance_ratio", "balance_ratio_next", "token_efficiency", "expert_efficiency", "replicas",
+                      "shadowed", "moves", "bytes_moved", "predicted_step_s", "measured_step_s"}, m
+    rt = moved.plan.placement
+    if policy == "flexmoe":
+        assert hook.policy.total_moves > 0 and hook.policy.total_bytes > 0
+        assert rt.state != PlacementState(rt.num_experts, world, rt.slots_per_rank), rt.state
+        # the steps after the moves ran better balanced than the first (hot expert 0's rank was relieved)
+        assert m["balance_ratio"] < first["balance_ratio"] - 0.05, (first, m)
+        assert first["balance_ratio_next"] < first["balance_ratio"]
+    else:
+        assert 0 in ever_shadowed and hook.policy.total_moves == 0, (ever_shadowed, m)   # the hot expert
+    assert m["token_efficiency"] == 1.0 and 0 < m["expert_efficiency"] <= 1.0
+
+
+@pytest.mark.parametrize("policy", ["flexmoe", "shadow"])
+def test_policy_in_the_hook_moves_and_keeps_the_math(policy, tmp_path):
+    run_distributed(_policy_run, 2, policy, _slow_compute_profile(str(tmp_path / "slow.json")))
+
+
+# --- the LRU cache of replica groups ----------------------------------------------------------------------------------
+def _group_cache(rank, world):
+    cache = GroupCache(capacity=1)
+    for needed in ([(0, 1), (2, 3)], [(0, 2), (1, 3)], [(0, 1), (2, 3)]):
+        mine = [g for g in needed if rank in g]
+        assert cache.ensure(mine) == 2                           # the union of every rank's missing groups
+        assert len(cache) == 1                                   # the other group was evicted (LRU, capacity 1)
+        t = torch.tensor([float(rank + 1)])
+        dist.all_reduce(t, group=cache.get(mine[0]))
+        assert float(t) == sum(r + 1 for r in mine[0])
+    assert cache.created == 6
+    assert cache.ensure([g for g in [(0, 1), (2, 3)] if rank in g]) == 0   # cached: nothing created
+
+
+def test_group_cache_is_lru_and_collective():
+    run_distributed(_group_cache, 4)
+
+
+# --- optimizer state through trainer wrappers ---------------------------------------------------------------------
+def test_param_state_tensors_follow_wrappers_and_masters():
+    p16 = torch.nn.Parameter(torch.zeros(3, 2, dtype=torch.bfloat16))
+    master = torch.nn.Parameter(torch.zeros(3, 2))
+    inner = torch.optim.Adam([master])
+    master.grad = torch.ones_like(master)
+    inner.step()
+
+    class MixedPrecision:                      # the attributes Megatron's Float16Optimizer exposes
+        def __init__(self):
+            self.optimizer, self.float16_groups, self.fp32_from_float16_groups = inner, [[p16]], [[master]]
+
+    class Chained:
+        chained_optimizers = [MixedPrecision()]
+
+    got = param_state_tensors(Chained(), p16)
+    assert got[0] is master and len(got) == 3
+    assert got[1] is inner.state[master]["exp_avg"] and got[2] is inner.state[master]["exp_avg_sq"]
+    assert param_state_tensors(None, p16) == []
+
+    class DistributedOptimizer:
+        optimizer = inner
+    with pytest.raises(ValueError, match="use-distributed-optimizer"):
+        check_optimizer_supported(DistributedOptimizer())
