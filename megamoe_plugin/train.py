@@ -51,6 +51,7 @@ from .cpu_alloc import retain_freed_memory
 from .config import ConfigError, MoEConfig, iter_options
 from .data import build_corpus
 from .layer import collect_aux_loss, moe_layers
+from .placement import AfterStepHook, apply_placement
 from .models import TinyMoEGPT
 from .stats import StatsSink, TraceRecorder
 
@@ -271,8 +272,8 @@ def clip_grad_norm(model: torch.nn.Module, max_norm: float, ps: Optional[Paralle
     if dense:
         sq = sq + torch.stack([torch.linalg.vector_norm(g, dtype=torch.float64) for g in dense]).pow(2).sum()
     esq = torch.zeros((), dtype=torch.float64)
-    if expert:
-        esq = esq + torch.stack([torch.linalg.vector_norm(g, dtype=torch.float64) for g in expert]).pow(2).sum()
+    for layer in moe_layers(model):       # each logical expert once, however many replicas it has (placement)
+        esq = esq + layer.plan.placement.expert_grad_sq_norm(layer.experts)
     if ps is not None and ps.ep_group is not None:
         dist.all_reduce(esq, group=ps.ep_group)
     total = float((sq + esq).sqrt())
@@ -293,7 +294,7 @@ def build_model(cfg: MoEConfig, vocab_size: int, args: argparse.Namespace, ps: P
     torch.manual_seed(args.seed)
     model = TinyMoEGPT(cfg, vocab_size, hidden=args.hidden, heads=args.heads, layers=args.layers,
                        ffn_hidden=args.ffn_hidden, seq_len=args.seq_len, moe_every=args.moe_every,
-                       ep_group=ps.ep_group, stats=stats, dropout=args.dropout)
+                       ep_group=ps.ep_group, stats=stats, dropout=args.dropout, edp_group=ps.expert_dp_group)
     if ps.distributed:
         with torch.no_grad():
             for p in model.parameters():
@@ -436,6 +437,7 @@ def save_checkpoint(path: str, model, optimizer, cfg: MoEConfig, step: int, args
     if ps.ep_size > 1 or ps.is_main:
         out = checkpoint_path(path, ps)
         state = {"format": CHECKPOINT_FORMAT, "step": step, "model": model.state_dict(),
+                 "placement": [m.plan.placement.to_checkpoint() for m in moe_layers(model)],
                  "optimizer": optimizer.state_dict(), "moe_config": cfg.to_dict(),
                  "model_args": {n: getattr(args, n) for n in MODEL_ARG_NAMES}, "args": dict(vars(args)),
                  "rng_states": rng_states, "world_size": ps.world_size, "expert_parallel_size": ps.ep_size,
@@ -535,6 +537,10 @@ def _train(parser, args, cfg: MoEConfig, ps: ParallelState) -> TrainResult:
         _check_resumable(parser, state, args, cfg, ps)
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
+        layers = moe_layers(model)
+        for m, placed in zip(layers, state.get("placement") or []):
+            m.plan.placement.from_checkpoint(placed)       # the bank rows were saved laid out by it
+        apply_placement([(m.plan.placement, [], m.experts) for m in layers])   # replica groups (collective)
         start = int(state["step"])
         rngs = state.get("rng_states") or []
         if len(rngs) == ps.world_size:
@@ -561,6 +567,7 @@ def _train(parser, args, cfg: MoEConfig, ps: ParallelState) -> TrainResult:
     if start:
         log(f"resumed from {args.resume} at step {start}")
 
+    hook = AfterStepHook(cfg)          # --moe-placement flexmoe|shadow|...: between optimizer steps
     result = TrainResult(step=start, model=model, optimizer=optimizer, moe_config=cfg, start_step=start)
     world_group = dist.group.WORLD if ps.distributed else None
     tokens_per_step = args.batch_size * args.seq_len * ps.world_size
@@ -589,6 +596,7 @@ def _train(parser, args, cfg: MoEConfig, ps: ParallelState) -> TrainResult:
         gnorm = clip_grad_norm(model, args.clip_grad, ps)
         optimizer.step()
         done = step + 1
+        hook.run(model, optimizer, done)
         result.step = done
         acc += torch.stack([loss.detach(), lm_loss.detach(), aux_loss.detach()]).double()
         acc_steps += 1
@@ -602,6 +610,10 @@ def _train(parser, args, cfg: MoEConfig, ps: ParallelState) -> TrainResult:
             tps = acc_steps * tokens_per_step / max(elapsed, 1e-9)
             line = (f"step {done:5d}/{args.steps} | loss {mean[0]:.4f} | lm {mean[1]:.4f} | aux {mean[2]:.4f} | "
                     f"lr {lr:.2e} | gnorm {gnorm:.2f} | {tps:,.0f} tok/s")
+            placed = getattr(hook.policy, "metrics", None)
+            if placed:
+                line += (f" | placement moves {hook.policy.total_moves} replicas {placed['replicas']:.0f} "
+                         f"balance {placed['balance_ratio']:.2f}->{placed['balance_ratio_next']:.2f}")
             if summary:
                 # device balance (experts in contiguous blocks over the ranks) only when EP spans the world
                 line += " | " + format_load(summary, show_device_balance=1 < ps.ep_size == ps.world_size)

@@ -292,3 +292,37 @@ def test_param_state_tensors_follow_wrappers_and_masters():
         optimizer = inner
     with pytest.raises(ValueError, match="use-distributed-optimizer"):
         check_optimizer_supported(DistributedOptimizer())
+
+
+# --- the project's own trainer (megamoe train) with placement: 2 EP groups x 2 ranks --------------------------------
+def _main_job(rank, world, profile, out_dir):
+    from megamoe_plugin import train
+    os.environ.update(WORLD_SIZE=str(world), RANK=str(rank))
+    tiny = ["--hidden", "32", "--layers", "2", "--heads", "2", "--ffn-hidden", "64", "--seq-len", "32",
+            "--batch-size", "4", "--corpus-bytes", "100000", "--threads", "1", "--eval-interval", "0",
+            "--eval-batches", "2", "--steps", "6", "--log-interval", "1", "--moe-expert-parallel-size", "2",
+            "--moe-placement-profile", profile, "--moe-placement-threshold", "1.0"]
+    plain = train.main(tiny)
+    placed = train.main(tiny + ["--moe-placement", "flexmoe", "--save", os.path.join(out_dir, "ck")])
+    assert [h["loss"] for h in placed.history] == pytest.approx([h["loss"] for h in plain.history], rel=1e-5)
+    layers = placed.model.moe_layers
+    rts = [m.plan.placement for m in layers]
+    assert sum(rt.moves_done for rt in rts) > 0
+    states = [None] * world
+    dist.all_gather_object(states, [rt.state.to_dict() for rt in rts])
+    assert states[0] == states[2] and states[1] == states[3]         # both EP groups keep the same placement
+    for m, p_ in zip(layers, plain.model.moe_layers):                # the same experts, by logical id
+        got = gather_logical(m.experts, m.plan.placement)
+        want = gather_logical(p_.experts, p_.plan.placement)
+        for k in want:
+            assert torch.allclose(got[k], want[k], rtol=1e-4, atol=1e-6), k
+    # resume from the checkpoint written after the moves: the placement comes back with the rows
+    resumed = train.main(tiny[:-10] + ["--steps", "6", "--moe-expert-parallel-size", "2", "--moe-placement",
+                                       "flexmoe", "--moe-placement-profile", profile, "--resume",
+                                       os.path.join(out_dir, "ck")])
+    assert [m.plan.placement.state for m in resumed.model.moe_layers] == [rt.state for rt in rts]
+    assert resumed.evals[-1]["loss"] == pytest.approx(placed.evals[-1]["loss"], rel=1e-6)
+
+
+def test_main_job_with_flexmoe_is_the_same_training(tmp_path):
+    run_distributed(_main_job, 4, _slow_compute_profile(str(tmp_path / "slow.json")), str(tmp_path))

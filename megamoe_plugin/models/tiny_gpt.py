@@ -84,7 +84,7 @@ class TinyMoEGPT(nn.Module):
 
     def __init__(self, moe_cfg: MoEConfig, vocab_size: int, hidden: int = 128, heads: int = 4, layers: int = 4,
                  ffn_hidden: int = 256, seq_len: int = 128, moe_every: int = 2, ep_group=None,
-                 stats: Optional[StatsSink] = None, topology=None, dropout: float = 0.0):
+                 stats: Optional[StatsSink] = None, topology=None, dropout: float = 0.0, edp_group=None):
         super().__init__()
         for name, v in (("vocab_size", vocab_size), ("hidden", hidden), ("heads", heads), ("layers", layers),
                         ("ffn_hidden", ffn_hidden), ("seq_len", seq_len)):
@@ -103,7 +103,7 @@ class TinyMoEGPT(nn.Module):
         for i in range(layers):
             if is_moe_block(i, moe_every):
                 ffn = MoELayer(moe_cfg, hidden, ffn_hidden, ep_group=ep_group, topology=topology, layer_id=i,
-                               stats=self.stats)
+                               stats=self.stats, edp_group=edp_group)
             else:
                 ffn = DenseMLP(hidden, ffn_hidden)
             blocks.append(Block(hidden, heads, ffn, dropout))
@@ -134,11 +134,13 @@ class TinyMoEGPT(nn.Module):
             lgen = torch.Generator().manual_seed((seed + 7919 * (layer.layer_id + 1)) % (2 ** 63))
             nn.init.normal_(layer.gate.weight, std=std, generator=lgen)
             bank = layer.experts
-            lo = layer.ep.rank * bank.num_local_experts
+            El = self.moe_cfg.num_local_experts
+            lo = layer.ep.rank * El
             for p in (bank.w1, bank.w2):
                 full = torch.empty((self.moe_cfg.num_experts,) + tuple(p.shape[1:]), dtype=p.dtype)
                 nn.init.normal_(full, std=std, generator=lgen)
-                p.copy_(full[lo:lo + bank.num_local_experts])
+                p.zero_()                                   # spare vExpert slots (placement) start free
+                p[:El].copy_(full[lo:lo + El])
             for p in (bank.b1, bank.b2):
                 if p is not None:
                     nn.init.zeros_(p)

@@ -377,6 +377,38 @@ class PlacementRuntime:
         banks (what an all-gather of the bank gives)."""
         return [r * self.slots_per_rank + s for r, s in (self.owner(e) for e in range(self.num_experts))]
 
+    def slot_weights(self) -> torch.Tensor:
+        """[slots] 1 / (replicas of the slot's expert), 0 for a free slot: weights that count every logical expert
+        once in sums over all ranks' slots (e.g. the squared gradient norm for clipping)."""
+        return torch.tensor([0.0 if e is None else 1.0 / self.state.num_replicas(e) for e in self.slot_experts()],
+                            dtype=torch.float64)
+
+    def expert_grad_sq_norm(self, bank) -> torch.Tensor:
+        """This rank's share of the squared L2 norm of the bank's gradients, every logical expert counted once
+        over the expert-parallel group (replicas weighted by 1/replicas, free slots 0). float64 scalar."""
+        w = self.slot_weights()
+        total = torch.zeros((), dtype=torch.float64)
+        for p in (bank.w1, bank.w2, bank.b1, bank.b2):
+            if p is not None and p.grad is not None:
+                rows = torch.linalg.vector_norm(p.grad.reshape(p.shape[0], -1), dim=1, dtype=torch.float64)
+                total = total + (rows.pow(2).cpu() * w).sum()
+        return total
+
+    def to_checkpoint(self) -> dict:
+        """The placement (for a resume at the same expert-parallel size, whose bank rows are laid out by it)."""
+        return {"state": self.state.to_dict(), "shadowed": list(self.shadowed)}
+
+    def from_checkpoint(self, d: dict) -> None:
+        state = PlacementState.from_dict(d["state"])
+        if (state.num_experts, state.num_ranks, state.slots_per_rank) != (self.num_experts, self.ep.size,
+                                                                           self.slots_per_rank):
+            raise PlacementError(f"checkpoint placement is E={state.num_experts}, P={state.num_ranks}, "
+                                 f"slots={state.slots_per_rank}; this layer E={self.num_experts}, P={self.ep.size}, "
+                                 f"slots={self.slots_per_rank}")
+        self.state = state
+        self.shadowed = [int(e) for e in d.get("shadowed", [])]
+        self._rebuild()
+
     def reset(self) -> None:
         """Back to contiguous blocks, nothing shadowed (for a model whose slots were just filled that way)."""
         self.state = PlacementState(self.num_experts, self.ep.size, self.slots_per_rank, max_replicas_per_rank=1)
