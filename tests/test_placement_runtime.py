@@ -74,10 +74,11 @@ def _train_step(layer, opt, x, target):
     return loss.detach()
 
 
-def _equivalence(rank, world, steps, out_dir):
+def _equivalence(rank, world, steps, out_dir, extra=None):
     torch.manual_seed(0)
-    ref = MoELayer(_cfg(world), H, F, ep_group=dist.group.WORLD)
-    moved = MoELayer(_cfg(world, placement_spare_slots=2), H, F, ep_group=dist.group.WORLD)
+    extra = extra or {}
+    ref = MoELayer(_cfg(world, **extra), H, F, ep_group=dist.group.WORLD)
+    moved = MoELayer(_cfg(world, placement_spare_slots=2, **extra), H, F, ep_group=dist.group.WORLD)
     El = 2
     with torch.no_grad():
         for (n, p), q in zip(ref.named_parameters(), moved.parameters()):
@@ -143,9 +144,15 @@ def _load_and_eval(rank, world, out_dir, source_world):
         assert torch.allclose(loss, want, rtol=1e-5), (rank, loss.item(), want.item())
 
 
-@pytest.mark.parametrize("world", [2, 4])
-def test_forced_moves_are_the_same_training(world, tmp_path):
-    run_distributed(_equivalence, world, 6 if world == 2 else 4, str(tmp_path))
+@pytest.mark.parametrize("world,extra", [
+    (2, None), (4, None),
+    (2, {"schedule": "smart", "smart_groups": 2}),              # FasterMoE's pipelined exchange over the slots
+    (2, {"dispatch": "capacity", "capacity_factor": 0.75}),    # the gate drops; the kept go to the replicas
+])
+def test_forced_moves_are_the_same_training(world, extra, tmp_path):
+    run_distributed(_equivalence, world, 6 if world == 2 else 4, str(tmp_path), extra)
+    if extra:
+        return
     # the checkpoint written after the moves, in one process (EP=1) ...
     _single(lambda: _load_and_eval(0, 1, str(tmp_path), world))
     # ... and on 2 ranks (EP=2: rank r evaluates source r's tokens)
