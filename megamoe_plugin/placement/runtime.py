@@ -118,25 +118,37 @@ def group_cache(capacity: int = 32) -> GroupCache:
 
 
 # --- autograd pieces -------------------------------------------------------------------------------------------------
+def _row(tensors, i: int) -> torch.Tensor:
+    """Row i of every tensor, flattened into one buffer (one message per expert)."""
+    return torch.cat([t[i].reshape(-1) for t in tensors])
+
+
+def _write_row(flat: torch.Tensor, tensors, i: int, add: bool = False) -> None:
+    """Inverse of ``_row``: row i of every tensor from ``flat`` (copied, or added with ``add``)."""
+    off = 0
+    for t in tensors:
+        n = t[i].numel()
+        part = flat[off:off + n].view_as(t[i])
+        t[i].add_(part) if add else t[i].copy_(part)
+        off += n
+
+
 class _ReplicaGradSync(torch.autograd.Function):
     """Identity on the bank's weights; backward sums each replicated expert's rows over its ranks."""
 
     @staticmethod
     def forward(ctx, plan, *weights):
-        ctx.plan = plan
+        ctx.plan, ctx.meta = plan, [(w.shape, w.dtype, w.device) for w in weights]
         return tuple(w.view_as(w) for w in weights)
 
     @staticmethod
     def backward(ctx, *grads):
-        grads = [torch.zeros_like(g) if g is None else g.contiguous() for g in grads]
+        grads = [torch.zeros(s, dtype=d, device=dev) if g is None else g.contiguous()
+                 for g, (s, d, dev) in zip(grads, ctx.meta)]
         for slot, group in ctx.plan:                         # ascending logical expert id
-            flat = torch.cat([g[slot].reshape(-1) for g in grads])
+            flat = _row(grads, slot)
             dist.all_reduce(flat, group=group)
-            off = 0
-            for g in grads:
-                n = g[slot].numel()
-                g[slot].copy_(flat[off:off + n].view_as(g[slot]))
-                off += n
+            _write_row(flat, grads, slot)
         return (None, *grads)
 
 
@@ -147,37 +159,25 @@ class _ShadowCopies(torch.autograd.Function):
     @staticmethod
     def forward(ctx, spec, *weights):
         entries, group, me = spec                    # entries: (owner ep rank, owner global rank, owner slot)
-        ctx.spec, ctx.shapes = spec, [w.shape for w in weights]
+        ctx.spec, ctx.meta = spec, [(w.shape, w.dtype, w.device) for w in weights]
         outs = [w.new_empty((len(entries),) + tuple(w.shape[1:])) for w in weights]
         for j, (owner, owner_global, slot) in enumerate(entries):
-            if me == owner:
-                flat = torch.cat([w[slot].reshape(-1) for w in weights])
-            else:
-                flat = weights[0].new_empty(sum(w[0].numel() for w in weights))
+            flat = _row(weights, slot) if me == owner else weights[0].new_empty(sum(w[0].numel() for w in weights))
             dist.broadcast(flat, src=owner_global, group=group)
-            off = 0
-            for o in outs:
-                n = o[j].numel()
-                o[j].copy_(flat[off:off + n].view_as(o[j]))
-                off += n
+            _write_row(flat, outs, j)
         return tuple(outs)
 
     @staticmethod
     def backward(ctx, *grads):
         entries, group, me = ctx.spec
-        ref = next(g for g in grads if g is not None)
-        grads = [torch.zeros((len(entries),) + tuple(s[1:]), dtype=ref.dtype, device=ref.device) if g is None
-                 else g.contiguous() for g, s in zip(grads, ctx.shapes)]
-        out = [torch.zeros(s, dtype=ref.dtype, device=ref.device) for s in ctx.shapes]
+        grads = [torch.zeros((len(entries),) + tuple(s[1:]), dtype=d, device=dev) if g is None else g.contiguous()
+                 for g, (s, d, dev) in zip(grads, ctx.meta)]
+        out = [torch.zeros(s, dtype=d, device=dev) for s, d, dev in ctx.meta]
         for j, (owner, owner_global, slot) in enumerate(entries):
-            flat = torch.cat([g[j].reshape(-1) for g in grads])
+            flat = _row(grads, j)
             dist.reduce(flat, dst=owner_global, group=group)
             if me == owner:
-                off = 0
-                for o in out:
-                    n = o[slot].numel()
-                    o[slot].add_(flat[off:off + n].view_as(o[slot]))
-                    off += n
+                _write_row(flat, out, slot, add=True)
         return (None, *out)
 
 
