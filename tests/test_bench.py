@@ -39,3 +39,52 @@ def test_implementations_compute_the_same_function(routing):
     counts = torch.bincount(ids.reshape(-1), minlength=c["E"]).float()
     skew = float(counts.max() / counts.mean())
     assert (skew > 2.0) if routing == "skewed" else (skew < 1.6)
+
+
+# --- `megamoe bench placement`, measured part: real training on 2 gloo processes -----------------------------------
+def test_placement_gate_is_skewed_deterministic_and_drifts():
+    from megamoe_plugin import MoEConfig
+    from megamoe_plugin.bench.placement_measured import ZipfDriftGate, zipf_popularity
+    cfg = MoEConfig(num_experts=4, top_k=2, gate="bench_zipf_drift")
+    a, b = ZipfDriftGate(cfg, 8), ZipfDriftGate(cfg, 8)
+    logits = torch.zeros(2000, 4)
+    ids_a, kept = a.select(logits, logits.softmax(-1))
+    ids_b, _ = b.select(logits, logits.softmax(-1))
+    assert torch.equal(ids_a, ids_b) and bool(kept.all())                 # the same routing in every strategy
+    assert bool((ids_a[:, 0] != ids_a[:, 1]).all())                       # top-2 distinct experts
+    load = torch.bincount(ids_a.reshape(-1), minlength=4).double()
+    ranks = load.view(2, 2).sum(1)
+    assert float(ranks.max() * 2 / ranks.sum()) > 1.4                     # rank 0's experts are the hot ones
+    assert a.calls == 1                                                   # training calls advance the step
+    p0, p60 = zipf_popularity(4, 0, 0, 2.0, 0.02), zipf_popularity(4, 60, 0, 2.0, 0.02)
+    assert int(p0.argmax()) == 0 and int(p60.argmax()) == 1               # 1.2 positions of drift later: expert 1
+
+
+def test_placement_bench_measured_tiny(tmp_path, capsys):
+    from megamoe_plugin.bench import main as bench_main
+    from megamoe_plugin.perfmodel.profiles import get_profile
+    slow = get_profile("flexmoe-a100")
+    slow.gemm_tflops = 1e-6              # compute dominates in the planners' model: moves and shadows pay off
+    slow.save(str(tmp_path / "slow.json"))
+    res = bench_main(["placement", "--targets", "none", "--measure-procs", "2", "--measure-steps", "3",
+                      "--measure-warmup", "1", "--measure-hidden", "16", "--measure-ffn", "32",
+                      "--measure-tokens", "64", "--measure-threads", "1", "--threshold", "1.05",
+                      "--measure-profile", str(tmp_path / "slow.json"), "--json", str(tmp_path / "r.json")])
+    out = capsys.readouterr().out
+    assert list(res) == [] and "MODEL PREDICTIONS" not in out             # modeled part skipped
+    m = res.measured
+    rows = {r["strategy"]: r for r in m["rows"]}
+    assert list(rows) == ["static EP", "shadow", "flexmoe"]
+    for name, r in rows.items():
+        assert f"| {name} |" in out
+        assert all(math.isfinite(t) and t > 0 for t in r["times"]) and len(r["times"]) == 4
+        assert math.isfinite(r["mean_s"]) and r["mean_s"] > 0 and r["median_s"] > 0 and r["speedup"] > 0
+        assert len(r["losses"]) == 4 and r["loss_max_rel_diff"] <= 1e-4, (name, r["losses"])
+    assert rows["static EP"]["losses"] == pytest.approx(rows["flexmoe"]["losses"], rel=1e-4)
+    assert rows["flexmoe"]["moves"] > 0 and rows["flexmoe"]["bytes_moved"] > 0
+    assert rows["flexmoe"]["balance_mean"] < rows["static EP"]["balance_mean"]
+    assert rows["shadow"]["shadowed_steps"] > 0 and rows["shadow"]["moves"] == 0
+    assert rows["static EP"]["moves"] == 0 and rows["static EP"]["shadowed_steps"] == 0
+    assert "measured here (CPU, gloo, 2 procs)" in out and "same math" in out and ": OK" in out
+    assert "1.70x" in out and "1.30x" in out and "1.97x" in out          # the anchors, beside ours
+    assert m["profile"]["kind"].startswith("given")
