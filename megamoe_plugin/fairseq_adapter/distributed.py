@@ -13,10 +13,13 @@ DP size / sample size).
 
 Clipping (``clip_grad_norm_``): fairseq's own clipper leaves expert gradients out of the norm. This one computes
 the true global norm: shared parameters once, plus every expert once (squared norms summed over the EP group),
-the same value on every rank.
+the same value on every rank. With dynamic placement (``--moe-placement flexmoe``) an expert may have replicas
+in several slots, each holding its full (all-reduced) gradient: each slot's row is weighted by 1 / replicas (free
+slots 0, ``PlacementRuntime.slot_weights``), so the norm, and hence clipping, does not change with the placement.
 """
 from __future__ import annotations
 
+import weakref
 from typing import Dict, List, Optional, Tuple
 
 import torch
@@ -24,6 +27,7 @@ import torch.distributed as dist
 
 _GROUPS: Dict[tuple, Tuple[object, object]] = {}
 _ACTIVE: Optional[Tuple[object, object, int]] = None   # (ep group, edp group, dp size) of the model being trained
+_PLACED: Dict[int, Tuple[weakref.ref, object]] = {}    # id(expert param) -> (weak ref to it, its PlacementRuntime)
 
 
 def expert_groups(ep_size: int, dp_ranks: Optional[List[int]] = None) -> Tuple[object, object]:
@@ -63,6 +67,29 @@ def activate(ep_group, edp_group, dp_size: int) -> None:
     _ACTIVE = (ep_group, edp_group, dp_size)
 
 
+def register_expert_placement(param: torch.Tensor, runtime) -> None:
+    """Say which layer's placement lays out the rows of an expert parameter (or of the optimizer's fp32 copy of
+    one): the clipper weights its rows by the replicas of their experts."""
+    for key in [k for k, (ref, _) in _PLACED.items() if ref() is None]:
+        del _PLACED[key]
+    _PLACED[id(param)] = (weakref.ref(param), runtime)
+
+
+def placement_of(param: torch.Tensor):
+    """The PlacementRuntime registered for ``param``, or None."""
+    entry = _PLACED.get(id(param))
+    return entry[1] if entry is not None and entry[0]() is param else None
+
+
+def _expert_sq_norm(param: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+    """Squared L2 norm of an expert gradient, every logical expert once (replicated rows weighted 1/replicas)."""
+    rt = placement_of(param)
+    if rt is None or rt.trivial or grad.dim() == 0 or grad.shape[0] != rt.slots_per_rank:
+        return torch.linalg.vector_norm(grad, dtype=torch.float32) ** 2
+    rows = torch.linalg.vector_norm(grad.reshape(grad.shape[0], -1), dim=1, dtype=torch.float32) ** 2
+    return (rows * rt.slot_weights().to(device=rows.device, dtype=rows.dtype)).sum()
+
+
 def expert_params(module: torch.nn.Module) -> List[torch.nn.Parameter]:
     return [p for p in module.parameters() if getattr(p, "expert", False) and p.requires_grad]
 
@@ -88,7 +115,8 @@ def sync_expert_grads(module: torch.nn.Module) -> None:
 def clip_grad_norm_(params, max_norm, aggregate_norm_fn=None, fallback=None) -> torch.Tensor:
     """fairseq's ``utils.clip_grad_norm_`` with expert gradients in the norm (every expert counted once)."""
     params = [params] if isinstance(params, torch.Tensor) else list(params)
-    experts = [p.grad for p in params if getattr(p, "grad", None) is not None and hasattr(p, "expert")]
+    expert_params_ = [p for p in params if getattr(p, "grad", None) is not None and hasattr(p, "expert")]
+    experts = [p.grad for p in expert_params_]
     if _ACTIVE is None or not experts:
         return fallback(params, max_norm, aggregate_norm_fn)
     shared = [p.grad for p in params if getattr(p, "grad", None) is not None and not hasattr(p, "expert")]
@@ -98,7 +126,7 @@ def clip_grad_norm_(params, max_norm, aggregate_norm_fn=None, fallback=None) -> 
                    if shared else torch.zeros((), device=dev))
     if aggregate_norm_fn is not None:
         shared_norm = aggregate_norm_fn(shared_norm)
-    expert_sq = torch.stack([torch.linalg.vector_norm(g, dtype=torch.float32) ** 2 for g in experts]).sum()
+    expert_sq = torch.stack([_expert_sq_norm(p, p.grad) for p in expert_params_]).sum()
     ep_group = _ACTIVE[0]
     if ep_group is not None:
         dist.all_reduce(expert_sq, group=ep_group)

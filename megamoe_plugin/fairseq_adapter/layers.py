@@ -12,10 +12,16 @@ Padding: a forward pre-hook hands the layer's padding mask (encoder: ``encoder_p
 cost expert compute nor count in the balance loss; their FFN output is 0). Selecting the real tokens is one
 ``nonzero`` per MoE layer, a host sync on GPU, only for batches that have padding.
 
-Checkpoints hold every expert by global id whatever the expert-parallel size: ``gather_experts(model)`` (a
-collective, run by the checkpoint hook on every rank before rank 0 writes) stashes the full ``[E, ...]`` expert
-tensors, which rank 0's ``state_dict`` then writes; loading takes this rank's rows of a full tensor. A checkpoint
-trained on 2 ranks therefore loads into ``fairseq-generate`` / ``fairseq-eval-lm`` on one process, and back.
+Checkpoints hold every expert by logical id whatever the expert-parallel size and the placement (FlexMoE
+vExperts, paper 001 §3.3: where experts live is a run-time matter): every rank's ExpertBank has
+``slots_per_rank`` rows (its E/P experts + spare vExpert slots), and the placement runtime (``moe.plan.placement``)
+says which logical expert each row holds. ``gather_experts(model)`` (a collective, run by the checkpoint hook on
+every rank before rank 0 writes) gathers every rank's rows and stashes the ``[E, ...]`` tensors of each expert's
+owner (``placement.checkpoint.logical_from_gathered``), which rank 0's ``state_dict`` then writes; with one
+expert-parallel rank ``state_dict`` does the same on the local rows (spare slots dropped). Loading gives every slot
+its expert's row under the loader's current placement, zeros for a free slot (``local_from_logical``; a fresh
+process has the initial placement). A checkpoint trained on 2 ranks, experts moved or not, therefore loads into
+``fairseq-generate`` / ``fairseq-eval-lm`` on one process, and back.
 """
 from __future__ import annotations
 
@@ -29,6 +35,8 @@ import torch.nn as nn
 from ..config import ConfigError, MoEConfig
 from ..layer import MoELayer
 from ..parallel import ExpertParallel
+from ..placement.checkpoint import local_from_logical, logical_from_gathered
+from . import distributed as moe_dist
 
 
 def _identity(x):
@@ -38,15 +46,19 @@ def _identity(x):
 class FairseqMoEFFN(nn.Module):
     """The FFN of one fairseq transformer layer as an MoE layer. Input and output [T, B, C] (or [N, C])."""
 
-    def __init__(self, cfg: MoEConfig, embed_dim: int, ffn_dim: int, ep_group, layer_id: int, label: str):
+    def __init__(self, cfg: MoEConfig, embed_dim: int, ffn_dim: int, ep_group, layer_id: int, label: str,
+                 edp_group=None):
         super().__init__()
         self.label = label
-        self.moe = MoELayer(cfg, embed_dim, ffn_dim, ep_group=ep_group, layer_id=layer_id)
+        # edp_group: the placement policies sum the routing counts over it, so every EP group plans the same
+        # placement and the expert-data-parallel gradient sum keeps pairing equal slots
+        self.moe = MoELayer(cfg, embed_dim, ffn_dim, ep_group=ep_group, layer_id=layer_id, edp_group=edp_group)
         self.padding_mask: Optional[torch.Tensor] = None
         self._full: Optional[Dict[str, torch.Tensor]] = None     # gathered experts, set only while saving
         if self.moe.ep.size > 1:
             for p in self.moe.experts.parameters():
                 p.expert = True          # fairseq: no DP all-reduce; plugin: EDP sum (distributed.py)
+                moe_dist.register_expert_placement(p, self.placement)     # clipping counts replicas once
         self._register_state_dict_hook(_write_full_experts)
         self._register_load_state_dict_pre_hook(_read_local_experts, with_module=True)
 
@@ -68,19 +80,34 @@ class FairseqMoEFFN(nn.Module):
     def aux_loss(self) -> torch.Tensor:
         return self.moe.aux_loss
 
-    # --- checkpoint format: all experts by global id ----------------------------------------------------------------
+    # --- checkpoint format: all experts by logical id ---------------------------------------------------------------
     @property
     def ep(self) -> ExpertParallel:
         return self.moe.ep
 
-    def expert_rows(self) -> slice:
-        el = self.moe.cfg.num_local_experts
-        return slice(self.ep.rank * el, (self.ep.rank + 1) * el)
+    @property
+    def placement(self):
+        """The layer's PlacementRuntime: which logical expert each slot of each rank's bank holds."""
+        return self.moe.plan.placement
+
+    def logical_layout(self) -> bool:
+        """True when this rank's bank rows already are the [E, ...] checkpoint rows (one rank, no spare slot,
+        nothing moved): no conversion needed."""
+        rt = self.placement
+        return self.ep.size == 1 and rt.trivial
+
+    def to_logical(self, local: torch.Tensor) -> torch.Tensor:
+        """One rank (EP=1): this rank's [slots, ...] rows -> [E, ...] by logical id (the owners' rows)."""
+        return local if self.logical_layout() else logical_from_gathered(local, self.placement)
+
+    def to_local(self, full: torch.Tensor) -> torch.Tensor:
+        """[E, ...] by logical id -> this rank's [slots, ...] under its current placement (free slots zero)."""
+        return full if self.logical_layout() else local_from_logical(full, self.placement)
 
     @torch.no_grad()
     def gather_experts(self, dst_global_rank: int = 0) -> None:
-        """Collective over the EP group holding `dst_global_rank`: stash the full [E, ...] expert tensors there.
-        Ranks of other EP groups (replicas of the same experts) have nothing to do."""
+        """Collective over the EP group holding `dst_global_rank`: stash the [E, ...] expert tensors by logical id
+        there. Ranks of other EP groups (holding the same slots) have nothing to do."""
         self._full = None
         members = self.ep.global_ranks
         if self.ep.size == 1 or dst_global_rank not in members:
@@ -91,7 +118,7 @@ class FairseqMoEFFN(nn.Module):
             parts = [torch.empty_like(p) for _ in members] if me == dst else None
             dist.gather(p.detach().contiguous(), parts, dst=dst, group=self.ep.group)
             if me == dst:
-                full[name] = torch.cat(parts, 0)
+                full[name] = logical_from_gathered(torch.cat(parts, 0), self.placement)
         self._full = full if me == dst else None
 
     def release_gathered(self) -> None:
@@ -100,6 +127,11 @@ class FairseqMoEFFN(nn.Module):
 
 def _write_full_experts(module: FairseqMoEFFN, state_dict, prefix, local_metadata):
     if module.ep.size == 1:
+        if not module.logical_layout():      # spare slots / a placement: keep only each expert's owner row
+            for name, _ in module.moe.experts.named_parameters():
+                key = prefix + "moe.experts." + name
+                if key in state_dict:
+                    state_dict[key] = module.to_logical(state_dict[key].detach())
         return state_dict
     if module._full is None:
         raise RuntimeError("megamoe-plugin: state_dict() of an expert-parallel MoE layer holds only this rank's "
@@ -117,11 +149,10 @@ def _read_local_experts(module: FairseqMoEFFN, state_dict, prefix, *args):
         if key not in state_dict:
             continue
         t = state_dict[key]
-        if t.shape[0] == E and p.shape[0] != E:
-            state_dict[key] = t[module.expert_rows()]
-        elif t.shape[0] != E:
+        if t.shape[0] != E:
             raise RuntimeError(f"megamoe-plugin: checkpoint tensor {key} has {t.shape[0]} experts, the model "
                                f"{E}: checkpoints hold all experts (--moe-expert-count must match)")
+        state_dict[key] = module.to_local(t)      # torch copied the caller's dict: its tensor stays [E, ...]
 
 
 def moe_ffns(model) -> List[FairseqMoEFFN]:
@@ -155,7 +186,8 @@ def _padding_hook(name: str, signature: inspect.Signature):
     return hook
 
 
-def install_moe(layers, cfg: MoEConfig, freq: int, ep_group, first_layer_id: int, prefix: str) -> int:
+def install_moe(layers, cfg: MoEConfig, freq: int, ep_group, first_layer_id: int, prefix: str,
+                edp_group=None) -> int:
     """Make every `freq`-th layer of `layers` an MoE layer. Returns the next free layer id."""
     layer_id = first_layer_id
     if freq <= 0:
@@ -170,8 +202,8 @@ def install_moe(layers, cfg: MoEConfig, freq: int, ep_group, first_layer_id: int
             raise ConfigError("megamoe-plugin: --scale-fc is not supported in MoE layers")
         embed, ffn = layer.fc1.in_features, layer.fc1.out_features
         dtype, device = layer.fc1.weight.dtype, layer.fc1.weight.device
-        layer.fc1 = FairseqMoEFFN(cfg, embed, ffn, ep_group, layer_id, f"{prefix}{i + 1}").to(dtype=dtype,
-                                                                                              device=device)
+        layer.fc1 = FairseqMoEFFN(cfg, embed, ffn, ep_group, layer_id, f"{prefix}{i + 1}",
+                                  edp_group=edp_group).to(dtype=dtype, device=device)
         layer.fc2 = nn.Identity()
         layer.activation_fn = _identity
         layer.activation_dropout_module = nn.Identity()

@@ -50,8 +50,8 @@ def moe_ify(model, args, encoder_layers, decoder_layers):
     freq = moe_freq(args)
     ep_group, edp_group = moe_dist.expert_groups(cfg.expert_parallel_size)
     moe_dist.activate(ep_group, edp_group, cfg.resolved_world_size())
-    next_id = install_moe(encoder_layers, cfg, freq, ep_group, 0, "enc")
-    install_moe(decoder_layers, cfg, freq, ep_group, next_id, "dec")
+    next_id = install_moe(encoder_layers, cfg, freq, ep_group, 0, "enc", edp_group=edp_group)
+    install_moe(decoder_layers, cfg, freq, ep_group, next_id, "dec", edp_group=edp_group)
     model.moe_config = cfg
     # c10d DDP: expert parameters are synchronised by the plugin, never by DDP
     model._ddp_params_and_buffers_to_ignore = [n for n, p in model.named_parameters() if getattr(p, "expert", False)]
