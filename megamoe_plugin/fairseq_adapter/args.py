@@ -178,6 +178,13 @@ def check_trainer_settings(cfg, moe: MoEConfig) -> None:
     if getattr(cfg.model, "checkpoint_activations", False) or getattr(cfg.model, "offload_activations", False):
         raise ConfigError("megamoe-plugin: --checkpoint-activations with MoE layers is not supported (the MoE "
                           "layer's all-to-all would run again in the recomputation)")
+    half = "--fp16" if common.fp16 else "--bf16" if getattr(common, "bf16", False) else None
+    memory_efficient = common.memory_efficient_fp16 or getattr(common, "memory_efficient_bf16", False)
+    flat = half and not memory_efficient and not getattr(common, "fp16_no_flatten_grads", False)
+    if flat and moe.placement in ("flexmoe", "shadow"):
+        raise ConfigError(f"megamoe-plugin: --moe-placement {moe.placement} moves experts' rows and their "
+                          f"optimizer state; {half} keeps one flat fp32 copy of all parameters: add "
+                          f"--fp16-no-flatten-grads or use --memory-efficient-{half[2:]}")
     if moe.expert_parallel_size <= 1:
         return
     if dt.ddp_backend not in ("legacy_ddp", "no_c10d", "c10d", "pytorch_ddp"):
@@ -185,9 +192,7 @@ def check_trainer_settings(cfg, moe: MoEConfig) -> None:
                           f"{moe.expert_parallel_size} ranks: use legacy_ddp (or c10d)")
     if getattr(dt, "zero_sharding", "none") != "none":
         raise ConfigError("megamoe-plugin: --zero-sharding with sharded experts is not supported")
-    half = "--fp16" if common.fp16 else "--bf16" if getattr(common, "bf16", False) else None
-    memory_efficient = common.memory_efficient_fp16 or getattr(common, "memory_efficient_bf16", False)
-    if half and not memory_efficient and not getattr(common, "fp16_no_flatten_grads", False):
+    if flat:
         raise ConfigError(f"megamoe-plugin: {half} flattens all parameters into one buffer, mixing experts of "
                           "different ranks; with sharded experts add --fp16-no-flatten-grads or use "
                           f"--memory-efficient-{half[2:]}")

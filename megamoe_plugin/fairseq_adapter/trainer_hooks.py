@@ -7,11 +7,14 @@ unless the model has plugin MoE layers (``model.moe_config``), so other models t
 - ``Trainer.train_step``: routing traces of training steps (``--moe-trace-path``, ``TrainingTrace``); after every
   successful update, the after-step hook (``--moe-placement``, every
   ``--moe-placement-interval`` updates) with the model, optimizer and update number (FlexMoE paper 001 §3:
-  placement changes happen between optimizer steps). An update skipped by the fp16 scaler is not a step.
+  placement changes happen between optimizer steps). An update skipped by the fp16 scaler is not a step. After
+  each policy run its ``metrics`` go into fairseq's logs as ``moe_placement_<name>`` (``log_placement_metrics``).
 - ``FairseqOptimizer.all_reduce_grads`` and ``utils.clip_grad_norm_``: expert gradients (``distributed.py``).
 - ``checkpoint_utils.save_checkpoint`` / ``Trainer.state_dict`` / ``Trainer.load_checkpoint``: checkpoints hold
-  every expert and its optimizer state by global expert id (gathered onto rank 0 before it writes, sliced on
-  load), so nothing is lost and a checkpoint loads at any expert-parallel size (1 for fairseq-generate/eval-lm).
+  every expert and its optimizer state by logical expert id whatever the placement (each expert's owner row,
+  gathered onto rank 0 before it writes; spare vExpert slots are not saved), and loading puts them into this
+  rank's slots under its current placement, so nothing is lost and a checkpoint loads at any expert-parallel size
+  (1 for fairseq-generate/eval-lm) and any spare-slot count.
 - torch >= 2.6 compatibility that fairseq itself lacks: the checkpoint broadcast of a distributed resume
   (``distributed.utils._broadcast_object_slow``) and ``argparse.Namespace`` configs in checkpoints.
 """
@@ -20,16 +23,21 @@ from __future__ import annotations
 import atexit
 import functools
 import logging
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 
 from ..placement import AfterStepHook
+from ..placement.checkpoint import logical_from_gathered
 from ..stats import TraceRecorder
 from . import distributed as moe_dist
 from .args import check_trainer_settings
 from .layers import FairseqMoEFFN, gather_experts, moe_ffns, release_gathered
+
+# policy metrics that add up over the runs of a log interval (the others: mean over the runs, or the last value)
+_SUMMED_METRICS = ("moves", "bytes_moved")
+_LAST_METRICS = ("replicas", "shadowed")
 
 logger = logging.getLogger(__name__)
 _INSTALLED = False
@@ -65,34 +73,90 @@ def _expert_optimizer_params(trainer) -> List[Tuple[FairseqMoEFFN, torch.nn.Para
 
 
 def gather_expert_optimizer_state(trainer, dst: int = 0) -> Dict[int, Dict[str, torch.Tensor]]:
-    """Collective: {state index: {key: full [E, ...] tensor}} on rank `dst` ({} elsewhere)."""
+    """Collective over each expert-parallel group holding rank `dst`: {state index: {key: [E, ...] tensor by
+    logical expert id}} on rank `dst` ({} elsewhere). With one expert-parallel rank, local: only when the bank's
+    rows are not already the logical ones (spare slots, a placement)."""
     full: Dict[int, Dict[str, torch.Tensor]] = {}
     state = trainer.optimizer.optimizer.state
-    me = dist.get_rank()
+    me = dist.get_rank() if dist.is_initialized() else 0
     for layer, q, idx in _expert_optimizer_params(trainer):
         members = layer.ep.global_ranks
-        if layer.ep.size == 1 or dst not in members:
+        if dst not in members or layer.logical_layout():
             continue
         st = state.get(q, {})
         for key in sorted(k for k, v in st.items() if torch.is_tensor(v) and v.shape == q.shape):
             t = st[key].detach().contiguous()
+            if layer.ep.size == 1:
+                full.setdefault(idx, {})[key] = layer.to_logical(t)
+                continue
             parts = [torch.empty_like(t) for _ in members] if me == dst else None
             dist.gather(t, parts, dst=dst, group=layer.ep.group)
             if me == dst:
-                full.setdefault(idx, {})[key] = torch.cat(parts, 0)
+                full.setdefault(idx, {})[key] = logical_from_gathered(torch.cat(parts, 0), layer.placement)
     return full
 
 
-def slice_expert_optimizer_state(trainer) -> None:
-    """After loading: keep this rank's rows of full [E, ...] expert optimizer state tensors."""
+def _expert_state_tensors(trainer) -> Dict[Tuple[int, str], torch.Tensor]:
+    """The expert optimizer state tensors as they are now (before a load), without building the optimizer."""
+    if getattr(trainer, "_optimizer", None) is None:
+        return {}
+    state = trainer.optimizer.optimizer.state
+    return {(id(q), key): v for _, q, _ in _expert_optimizer_params(trainer)
+            for key, v in state.get(q, {}).items() if torch.is_tensor(v)}
+
+
+def slice_expert_optimizer_state(trainer, before: Optional[Dict[Tuple[int, str], torch.Tensor]] = None) -> None:
+    """After loading: the expert optimizer state tensors the load put in ([E, ...] by logical id, as checkpoints
+    hold them) become this rank's [slots, ...] rows under its current placement (free slots zero). `before`: the
+    tensors from before the load (``_expert_state_tensors``), left alone (nothing was loaded when the optimizer
+    state is the same objects, e.g. no checkpoint or --reset-optimizer)."""
+    before = before or {}
     state = trainer.optimizer.optimizer.state
     for layer, q, _ in _expert_optimizer_params(trainer):
         E = layer.moe.cfg.num_experts
         st = state.get(q, {})
         for key, v in list(st.items()):
-            if torch.is_tensor(v) and v.dim() == q.dim() and v.shape[0] == E and v.shape[0] != q.shape[0] \
-                    and v.shape[1:] == q.shape[1:]:
-                st[key] = v[layer.expert_rows()].clone()
+            if not torch.is_tensor(v) or v.dim() != q.dim() or v.dim() == 0 or v.shape[1:] != q.shape[1:]:
+                continue                                   # scalars such as Adam's step
+            if before.get((id(q), key)) is v:
+                continue                                   # not loaded: already this rank's rows
+            if v.shape[0] != E:
+                raise RuntimeError(f"megamoe-plugin: checkpoint optimizer state {key!r} of an expert parameter has "
+                                   f"{v.shape[0]} experts, the model {E}: checkpoints hold all experts by logical "
+                                   "id (--moe-expert-count must match)")
+            st[key] = layer.to_local(v)        # (the load made these tensors: no one else holds them)
+
+
+def _register_optimizer_placements(trainer) -> None:
+    """The optimizer's copies of expert parameters (fp32 masters with --fp16) carry their layer's placement for
+    the clipper, like the parameters themselves (once per optimizer object)."""
+    opt = getattr(trainer, "_optimizer", None)
+    if opt is None or getattr(trainer, "_megamoe_registered_optimizer", None) is opt:
+        return
+    for layer, q, _ in _expert_optimizer_params(trainer):
+        if layer.ep.size > 1:
+            moe_dist.register_expert_placement(q, layer.placement)
+    trainer._megamoe_registered_optimizer = opt
+
+
+def log_placement_metrics(policy) -> None:
+    """A placement policy's ``metrics`` (dict of floats, set by its last run) into fairseq's active logs (the
+    train_inner lines and the epoch summary): ``moe_placement_<name>``. Moves and bytes add up over the runs of a
+    log interval; replicas and shadowed experts are the last run's; the ratios and times are means over the runs."""
+    values = getattr(policy, "metrics", None)
+    if not isinstance(values, dict) or not values:
+        return
+    from fairseq.logging import metrics
+    for name, value in values.items():
+        try:
+            value = float(value)
+        except (TypeError, ValueError):
+            continue
+        key = f"moe_placement_{name}"
+        if name in _SUMMED_METRICS:
+            metrics.log_scalar_sum(key, value, priority=100, round=3)
+        else:
+            metrics.log_scalar(key, value, weight=0 if name in _LAST_METRICS else 1, priority=100, round=3)
 
 
 # --- routing traces of the training steps (--moe-trace-path) -----------------------------------------------------
@@ -130,6 +194,9 @@ def _wrap_trainer(Trainer) -> None:
 
     @functools.wraps(train_step)
     def wrapped_train_step(self, samples, *args, **kwargs):
+        if getattr(self, "_megamoe_hook", None) is not None:
+            self.optimizer                      # noqa: B018  (built here as train_step would: fp32 copies exist)
+            _register_optimizer_placements(self)
         before = self.get_num_updates()
         trace = getattr(self, "_megamoe_trace", None)
         if trace is not None:
@@ -142,7 +209,8 @@ def _wrap_trainer(Trainer) -> None:
                 trace.recording = False
         hook = getattr(self, "_megamoe_hook", None)
         if hook is not None and self.get_num_updates() > before:
-            hook.run(_raw_model(self), self.optimizer, self.get_num_updates(), trainer=self)
+            if hook.run(_raw_model(self), self.optimizer, self.get_num_updates(), trainer=self):
+                log_placement_metrics(hook.policy)
         return out
 
     @functools.wraps(state_dict)
@@ -157,9 +225,11 @@ def _wrap_trainer(Trainer) -> None:
 
     @functools.wraps(load_checkpoint)
     def wrapped_load_checkpoint(self, *args, **kwargs):
+        moe = _moe_config(self) is not None
+        before = _expert_state_tensors(self) if moe else {}
         extra = load_checkpoint(self, *args, **kwargs)
-        if _moe_config(self) is not None:
-            slice_expert_optimizer_state(self)
+        if moe and getattr(self, "_optimizer", None) is not None:
+            slice_expert_optimizer_state(self, before)
         return extra
 
     Trainer.__init__ = __init__
@@ -173,9 +243,9 @@ def _wrap_save(checkpoint_utils) -> None:
 
     @functools.wraps(save)
     def save_checkpoint(cfg, trainer, epoch_itr, val_loss):
-        sharded = (_moe_config(trainer) is not None and not cfg.no_save and dist.is_initialized()
-                   and _moe_config(trainer).expert_parallel_size > 1)
-        if sharded:
+        # experts by logical id: gathered over the EP group, or (one EP rank) the owners' rows of the local bank
+        by_logical_id = _moe_config(trainer) is not None and not cfg.no_save
+        if by_logical_id:
             gather_experts(_raw_model(trainer))
             if not cfg.no_save_optimizer_state:
                 trainer._megamoe_optimizer_full = gather_expert_optimizer_state(trainer)
@@ -185,7 +255,7 @@ def _wrap_save(checkpoint_utils) -> None:
         try:
             return save(cfg, trainer, epoch_itr, val_loss)
         finally:
-            if sharded:
+            if by_logical_id:
                 release_gathered(_raw_model(trainer))
                 trainer._megamoe_optimizer_full = None
 
