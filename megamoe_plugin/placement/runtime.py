@@ -80,6 +80,10 @@ class GroupCache:
         missing = [k for k in mine if k not in self._groups]
         world = dist.get_world_size() if dist.is_initialized() else 1
         if world > 1:
+            flag_ = torch.tensor([len(missing)], dtype=torch.long)
+            dist.all_reduce(flag_, op=dist.ReduceOp.MAX)          # the usual case: nobody misses a group
+            if int(flag_) == 0:
+                return 0
             everyone: List[Optional[list]] = [None] * world
             dist.all_gather_object(everyone, missing)
             union = sorted({tuple(k) for part in everyone for k in part})
