@@ -255,6 +255,27 @@ def test_one_process_spare_slots_state_dict_is_logical():
     plain.load_state_dict(spare.state_dict())
 
 
+def test_policy_metrics_go_to_fairseq_logs():
+    """moves and bytes add up over a log interval, replicas/shadowed are the last run's, ratios and times averaged
+    (times with 6 decimals); a policy without metrics logs nothing."""
+    from fairseq.logging import metrics
+    from megamoe_plugin.fairseq_adapter.trainer_hooks import log_placement_metrics
+    runs = [{"moves": 2.0, "bytes_moved": 100.0, "replicas": 1.0, "shadowed": 0.0, "balance_ratio": 1.5,
+             "predicted_step_s": 2e-6},
+            {"moves": 1.0, "bytes_moved": 50.0, "replicas": 3.0, "shadowed": 1.0, "balance_ratio": 1.1,
+             "predicted_step_s": 4e-6}]
+    with metrics.aggregate(new_root=True) as agg:
+        for m in runs:
+            log_placement_metrics(argparse.Namespace(metrics=m))
+        log_placement_metrics(argparse.Namespace(metrics={}))
+        log_placement_metrics(None)
+    v = agg.get_smoothed_values()
+    assert v["moe_placement_moves"] == 3 and v["moe_placement_bytes_moved"] == 150
+    assert v["moe_placement_replicas"] == 3 and v["moe_placement_shadowed"] == 1
+    assert v["moe_placement_balance_ratio"] == pytest.approx(1.3)
+    assert v["moe_placement_predicted_step_s"] == pytest.approx(3e-6)
+
+
 # --- the fairseq command-line tools ---------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def slow_profile(tmp_path_factory):

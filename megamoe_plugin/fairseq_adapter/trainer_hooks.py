@@ -142,7 +142,8 @@ def _register_optimizer_placements(trainer) -> None:
 def log_placement_metrics(policy) -> None:
     """A placement policy's ``metrics`` (dict of floats, set by its last run) into fairseq's active logs (the
     train_inner lines and the epoch summary): ``moe_placement_<name>``. Moves and bytes add up over the runs of a
-    log interval; replicas and shadowed experts are the last run's; the ratios and times are means over the runs."""
+    log interval; replicas and shadowed experts are the last run's; the ratios and times are means over the runs.
+    Times (``*_s``, seconds) keep 6 decimals: the cost model predicts microseconds for small layers."""
     values = getattr(policy, "metrics", None)
     if not isinstance(values, dict) or not values:
         return
@@ -152,11 +153,11 @@ def log_placement_metrics(policy) -> None:
             value = float(value)
         except (TypeError, ValueError):
             continue
-        key = f"moe_placement_{name}"
+        key, digits = f"moe_placement_{name}", 6 if name.endswith("_s") else 3
         if name in _SUMMED_METRICS:
-            metrics.log_scalar_sum(key, value, priority=100, round=3)
+            metrics.log_scalar_sum(key, value, priority=100, round=digits)
         else:
-            metrics.log_scalar(key, value, weight=0 if name in _LAST_METRICS else 1, priority=100, round=3)
+            metrics.log_scalar(key, value, weight=0 if name in _LAST_METRICS else 1, priority=100, round=digits)
 
 
 # --- routing traces of the training steps (--moe-trace-path) -----------------------------------------------------
