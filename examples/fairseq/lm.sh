@@ -12,6 +12,7 @@
 #   UPDATES=60 examples/fairseq/lm.sh /tmp/lm
 #   NPROC=2 EXPERTS=8 GATE=switch examples/fairseq/lm.sh /tmp/lm-ep2
 #   examples/fairseq/lm.sh /tmp/lm-cap --moe-dispatch capacity --moe-capacity-factor 1.25
+#   NPROC=2 examples/fairseq/lm.sh /tmp/lm-flexmoe --moe-placement flexmoe   # experts moved between steps (README)
 #
 # Env: NPROC (1), UPDATES (200), EXPERTS (4), GATE (gshard), MAX_BYTES (2000000, corpus cap).
 # Arguments after the work dir go to fairseq-train (any fairseq or MoE flag; `megamoe options` lists the MoE ones).
