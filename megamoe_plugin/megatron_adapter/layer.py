@@ -7,9 +7,14 @@ layer (``isinstance(m, MoELayer)`` holds, shared experts, recompute, layer numbe
 - ``PluginRouter`` (the spec's ``router``) wraps a core gate (``gates/``): switch, gshard, naive, hir, ta_moe.
 - ``PluginTokenDispatcher`` replaces Megatron's token dispatcher (there is no spec hook for it): the core's
   ``DispatchPlan`` (dropless dynamic gating or GShard capacity, all-to-all-v over Megatron's EP group).
-- ``PluginExperts`` (the spec's ``experts``) wraps a core ``ExpertBank``; its parameters carry ``allreduce=False``
-  so Megatron's DDP reduces them over the expert-data-parallel group, and its ``sharded_state_dict`` stores
-  experts by global (logical) id, sharded over EP, so a distributed checkpoint loads under another EP size.
+- ``PluginExperts`` (the spec's ``experts``) wraps a core ``ExpertBank`` of ``slots_per_rank`` vExpert slots (this
+  rank's experts + ``--moe-plugin-placement-spare-slots`` free ones for replicas); its parameters carry
+  ``allreduce=False`` so Megatron's DDP reduces them over the expert-data-parallel group, and its
+  ``sharded_state_dict`` stores experts (and, through Megatron's optimizer, their Adam state) by global (logical)
+  id, sharded over EP, whatever the placement: a distributed checkpoint loads under another EP size and placement.
+- Dynamic placement (``--moe-plugin-placement flexmoe|shadow``): the layer's ``DispatchPlan`` owns a
+  ``PlacementRuntime`` (tokens of logical experts go to vExpert slots, replica gradients are all-reduced, shadow
+  copies broadcast) that the bank computes with; the after-step hook (hooks.py) runs the policy between steps.
 
 Aux losses enter Megatron's loss through ``MoEAuxLossAutoScaler`` (attached to the combine weights, scaled by the
 schedule like Megatron's own router losses) and are logged with ``save_to_aux_losses_tracker`` under Megatron's
@@ -103,11 +108,23 @@ class PluginExperts(MegatronModule):
         self.ep_group = pg_collection.ep
         self.ep = ExpertParallel(pg_collection.ep)
         self.expt_dp_group = getattr(pg_collection, "expt_dp", None)
+        if cfg.num_local_experts != num_local_experts:
+            raise ValueError(f"megamoe-plugin: Megatron gives this rank {num_local_experts} experts but the plugin "
+                             f"config has {cfg.num_experts} experts over expert-parallel size "
+                             f"{cfg.expert_parallel_size} ({cfg.num_local_experts} per rank)")
         self.num_local_experts = num_local_experts
-        self.bank = ExpertBank(num_local_experts, config.hidden_size, cfg.expert_ffn_hidden_size or
-                               config.moe_ffn_hidden_size or config.ffn_hidden_size, cfg.activation,
-                               cfg.expert_bias, config.init_method_std, dtype=config.params_dtype,
-                               device=torch.device("cpu"), cpu_lanes=cfg.cpu_expert_lanes, cpu_gemm=cfg.cpu_gemm)
+        self.plugin_config = cfg
+        # the bank has cfg.slots_per_rank vExpert slots: this rank's experts, then spare slots for replicas (free,
+        # zeros). Built without touching the global RNG (every slot is overwritten below), so the rest of the
+        # model's init does not depend on the number of slots.
+        with torch.random.fork_rng(devices=[]):
+            self.bank = ExpertBank(cfg.slots_per_rank, config.hidden_size, cfg.expert_ffn_hidden_size or
+                                   config.moe_ffn_hidden_size or config.ffn_hidden_size, cfg.activation,
+                                   cfg.expert_bias, config.init_method_std, dtype=config.params_dtype,
+                                   device=torch.device("cpu"), cpu_lanes=cfg.cpu_expert_lanes, cpu_gemm=cfg.cpu_gemm)
+        with torch.no_grad():
+            for p in self.bank.parameters():
+                p[num_local_experts:].zero_()
         # init by global expert id: the same experts whatever the expert-parallel size
         base = _layer_seed()
         out_std = config.init_method_std / math.sqrt(2.0 * config.num_layers)   # Megatron's scaled output init
@@ -124,18 +141,61 @@ class PluginExperts(MegatronModule):
         pass
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: Optional[dict] = None):
-        """Experts by global id: dim 0 of every bank tensor is sharded over the expert-parallel group."""
-        from megatron.core.dist_checkpointing.mapping import ShardedTensor
+        """Experts by global (logical) id: every bank tensor is saved as [num_experts, ...], dim 0 sharded over the
+        expert-parallel group, so a distributed checkpoint loads under another expert-parallel size.
+
+        Without spare vExpert slots the rows are always this rank's contiguous block of experts (nothing can move):
+        one ShardedTensor per parameter. With spare slots (dynamic placement) a ``ShardedTensorFactory`` per
+        parameter: its build_fn makes one [1, ...] ShardedTensor per occupied slot at its logical expert's row
+        (the owner replica is the main one; free slots are not saved), and its merge_fn puts the loaded rows back
+        into [slots, ...] under the placement current at load time (zeros for free slots). Megatron's optimizer
+        ``sharded_state_dict`` replaces the factory's data with each optimizer-state tensor (Adam moments, fp32
+        master weights), so they are saved and loaded by logical id the same way."""
+        from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
         import torch.distributed as dist
 
         expt_dp_rank = dist.get_rank(self.expt_dp_group) if (self.expt_dp_group is not None and
                                                              dist.is_initialized()) else 0
+        axis = len(sharded_offsets)
         out = {}
+        runtime = getattr(self.bank, "placement", None)
+        if runtime is None or self.bank.w1.shape[0] == self.num_local_experts:
+            for name, p in self.bank.named_parameters():
+                key = f"{prefix}bank.{name}"
+                out[key] = ShardedTensor.from_rank_offsets(
+                    key, p, *sharded_offsets, (axis, self.ep.rank, self.ep.size),
+                    replica_id=(0, 0, expt_dp_rank), prepend_axis_num=axis)
+            return out
+
+        num_experts, slots = runtime.num_experts, self.bank.w1.shape[0]
+        held = [(i, e) for i, e in enumerate(runtime.slot_experts()) if e is not None]
+        owner = {e: runtime.owner(e)[0] == self.ep.rank for _, e in held}
+
+        def build_fn(key, data, replica_id, flattened_range):
+            if flattened_range is not None:
+                raise NotImplementedError("megamoe-plugin: experts with spare vExpert slots cannot be checkpointed "
+                                          "by a flattening optimizer (--use-distributed-optimizer)")
+            return {f"slot{i}": ShardedTensor.from_rank_offsets(
+                        key, data.detach()[i:i + 1], *sharded_offsets, (axis, e, num_experts),
+                        replica_id=(replica_id[0], replica_id[1] if owner[e] else 1, replica_id[2]),
+                        prepend_axis_num=axis)
+                    for i, e in held}
+
+        def merger(shape, dtype, device):
+            def merge_fn(loaded):
+                rows = [(int(k[len("slot"):]), v) for k, v in loaded.items()]
+                ref = rows[0][1] if rows else None
+                full = torch.zeros(shape, dtype=ref.dtype if ref is not None else dtype,
+                                   device=ref.device if ref is not None else device)
+                for i, v in rows:
+                    full[i:i + 1].copy_(v)
+                return full
+            return merge_fn
+
         for name, p in self.bank.named_parameters():
             key = f"{prefix}bank.{name}"
-            out[key] = ShardedTensor.from_rank_offsets(
-                key, p, *sharded_offsets, (len(sharded_offsets), self.ep.rank, self.ep.size),
-                replica_id=(0, 0, expt_dp_rank), prepend_axis_num=len(sharded_offsets))
+            out[key] = ShardedTensorFactory(key, p, build_fn, merger(tuple(p.shape), p.dtype, p.device),
+                                            replica_id=(0, 0, expt_dp_rank))
         return out
 
 
@@ -183,7 +243,13 @@ class PluginMoELayer(MegatronMoELayer):
         self.plugin_config = plugin_config
         if not isinstance(self.router, PluginRouter) or not isinstance(self.experts, PluginExperts):
             raise TypeError("PluginMoELayer needs PluginRouter and PluginExperts in its MoESubmodules")
-        self.plan = DispatchPlan(plugin_config, ExpertParallel(self.ep_group))
+        # the expert-data-parallel group sums the placement policy's counts, so every expert-parallel group of
+        # the job plans the same placement (their slots are reduced together by Megatron's DDP)
+        self.plan = DispatchPlan(plugin_config, ExpertParallel(self.ep_group), edp_group=self.experts.expt_dp_group)
+        if self.plan.placement is not None and self.plan.placement.slots_per_rank != self.experts.bank.w1.shape[0]:
+            raise ValueError(f"megamoe-plugin: the placement has {self.plan.placement.slots_per_rank} slots per rank "
+                             f"but the expert bank {self.experts.bank.w1.shape[0]}")
+        self.experts.bank.placement = self.plan.placement     # logical experts -> vExpert slots (placement/)
         self.token_dispatcher = PluginTokenDispatcher(self.plan)
         self.stats = plugin_stats()
         self.aux_losses = {}
@@ -222,7 +288,7 @@ class PluginMoELayer(MegatronMoELayer):
         if self.training:
             self._attach_aux_losses(routing, tokens.shape[0])
         if self.plan.uses_smart(capacity):      # FasterMoE smart schedule: dispatch + experts + combine pipelined
-            out = self.plan.smart.forward(tokens, routing, self.experts.bank).view(hidden_states.shape)
+            out = self.plan.run_smart(tokens, routing, self.experts.bank).view(hidden_states.shape)
         else:
             d = self.token_dispatcher
             flat, probs = d.dispatch_preprocess(hidden_states, routing, routing.weights)
