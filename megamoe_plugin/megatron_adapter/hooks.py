@@ -7,6 +7,17 @@ calls the core ``AfterStepHook`` (the policy named by ``--moe-plugin-placement``
 Trainers: the megatron-core example calls it directly; for Megatron-LM's ``pretrain_gpt.py``,
 ``megatron_lm.install_megatron_lm_hooks()`` wraps ``megatron.training.training.train_step`` so it is called after
 every successful update (an update skipped by the fp16 loss scaler is not a step).
+
+Placement (``--moe-plugin-placement flexmoe|shadow``): the policy moves experts' rows and their optimizer state
+between steps (placement/). Two things Megatron does not know about replicas are handled here:
+
+* gradient-norm clipping: a replicated expert's rows (all equal after the replica all-reduce) would count once per
+  replica in Megatron's grad norm. On the first ``after_step`` the optimizers holding expert banks get a
+  ``get_main_grads_for_grad_norm`` that scales each slot's gradient rows by sqrt(1 / replicas) (free slots: 0), so
+  the norm, and hence clipping, counts every logical expert once, whatever the placement;
+* metrics: the policy's ``metrics`` (placement/policies.py) go to the tensorboard / wandb writers as
+  ``moe_placement/<key>`` at log intervals (``log_metrics``) and into one short progress-line fragment
+  (``metrics.format_placement_metrics``).
 """
 from __future__ import annotations
 
@@ -20,7 +31,7 @@ from ..config import MoEConfig
 from ..placement import AfterStepHook
 from ..stats import TraceRecorder
 from .layer import PluginMoELayer, plugin_stats
-from .metrics import collect_layer_metrics, write_layer_metrics
+from .metrics import collect_layer_metrics, write_layer_metrics, write_placement_metrics
 
 
 def plugin_layers(model) -> List[PluginMoELayer]:
@@ -54,13 +65,91 @@ class PluginStepHooks:
     def after_step(self, model, optimizer, iteration: int, **extra) -> bool:
         """Call on every rank after a successful ``optimizer.step()``; ``iteration`` = steps done so far."""
         self.start_iteration(iteration + 1)
-        return self.after.run(model, optimizer, iteration, moe_layers=plugin_layers(model), **extra)
+        layers = plugin_layers(model)
+        if self.after.policy is not None:
+            weight_replica_grad_norm(layers, optimizer)      # before any replica exists (idempotent)
+        return self.after.run(model, optimizer, iteration, moe_layers=layers, **extra)
+
+    def placement_metrics(self) -> Dict[str, float]:
+        """The placement policy's metrics of its last run (this rank's view; {} without a policy or a run), plus
+        ``moves_total`` when the policy counts its moves."""
+        policy = self.after.policy
+        metrics = getattr(policy, "metrics", None)
+        if not isinstance(metrics, dict) or not metrics:
+            return {}
+        out = {k: float(v) for k, v in metrics.items()}
+        if hasattr(policy, "total_moves"):
+            out["moves_total"] = float(policy.total_moves)
+        return out
 
     def log_metrics(self, iteration: int, writer=None, wandb_writer=None) -> Dict[int, dict]:
-        """Collective (every rank): reduce the per-layer stats since the last call and write them."""
+        """Collective (every rank): reduce the per-layer stats since the last call and write them, with the
+        placement policy's metrics (``placement_metrics``)."""
         metrics = collect_layer_metrics(self.num_layers, self.cfg.num_experts, self.cfg.expert_parallel_size)
         write_layer_metrics(metrics, iteration, writer, wandb_writer)
+        write_placement_metrics(self.placement_metrics(), iteration, writer, wandb_writer)
         return metrics
+
+
+def _inner_optimizers(optimizer) -> List[object]:
+    chain = getattr(optimizer, "chained_optimizers", None)
+    return list(chain) if chain else [optimizer]
+
+
+def weight_replica_grad_norm(layers: List[PluginMoELayer], optimizer) -> int:
+    """Make Megatron's grad norm count every logical expert once (module docstring): wrap
+    ``get_main_grads_for_grad_norm`` of each (chained) optimizer that holds expert-bank parameters (or their fp32
+    master copies). Idempotent; returns how many optimizers were wrapped by this call."""
+    banks: Dict[int, object] = {}            # id(bank parameter) -> its layer's PlacementRuntime
+    for layer in layers:
+        rt = layer.plan.placement
+        if rt is None or layer.experts.bank.w1.shape[0] == layer.experts.num_local_experts:
+            continue                         # no spare slot: no replica can ever exist
+        for p in layer.experts.bank.parameters():
+            banks[id(p)] = rt
+    if not banks or optimizer is None:
+        return 0
+    wrapped = 0
+    for opt in _inner_optimizers(optimizer):
+        if getattr(opt, "_megamoe_grad_norm_weighted", False) or not hasattr(opt, "get_main_grads_for_grad_norm"):
+            continue
+        table = {}                           # id(parameter the optimizer updates) -> runtime
+        for g16, g32 in zip(getattr(opt, "float16_groups", None) or [],
+                            getattr(opt, "fp32_from_float16_groups", None) or []):
+            for p16, p32 in zip(g16, g32):
+                if id(p16) in banks:
+                    table[id(p32)] = banks[id(p16)]
+        for p in opt.get_parameters():
+            if id(p) in banks:
+                table[id(p)] = banks[id(p)]
+        if not table:
+            continue
+
+        def weighted(orig=opt.get_main_grads_for_grad_norm, opt=opt, table=table):
+            grads = orig()
+            by_grad = {}
+            for p in opt.get_parameters():
+                rt = table.get(id(p))
+                if rt is not None:
+                    for g in (getattr(p, "decoupled_grad", None), p.grad):
+                        if g is not None:
+                            by_grad[id(g)] = rt
+            if not by_grad:
+                return grads
+            out = []
+            for g in grads:
+                rt = by_grad.get(id(g))
+                if rt is not None:
+                    w = rt.slot_weights()
+                    if bool(((w > 0) & (w < 1)).any()):           # some expert has replicas right now
+                        g = g * w.sqrt().to(device=g.device, dtype=g.dtype).view(-1, *([1] * (g.dim() - 1)))
+                out.append(g)
+            return out
+
+        opt.get_main_grads_for_grad_norm = weighted
+        opt._megamoe_grad_norm_weighted = True
+        wrapped += 1
+    return wrapped
 
 
 _HOOKS: Optional[PluginStepHooks] = None

@@ -5,7 +5,9 @@ Every ``PluginMoELayer`` records its kept counts and drops into one process-wide
 group: pipeline stages own different layers, so a dense [layers x (experts + 3)] tensor is all-reduced) and returns
 per layer: tokens per expert, dropped fraction, FlexMoE's balance ratio over the expert-parallel devices
 (paper 001 Eq. 6) and the expert max/mean load. ``write_layer_metrics`` puts them on Megatron's tensorboard /
-wandb writers under ``moe-plugin/``.
+wandb writers under ``moe-plugin/``. The placement policy's metrics (``--moe-plugin-placement``; balance ratio,
+replicas, moves, ...) go there as ``moe_placement/<key>`` (``write_placement_metrics``) and into the progress line
+(``format_placement_metrics``).
 """
 from __future__ import annotations
 
@@ -63,3 +65,23 @@ def format_layer_metrics(metrics: Dict[int, dict]) -> str:
     """One short text fragment for a progress line: balance ratio and drops of every MoE layer."""
     return " | ".join(f"L{layer} bal {m['balance_ratio']:.2f} drop {m['dropped_fraction']:.3f}"
                       for layer, m in sorted(metrics.items()))
+
+
+def write_placement_metrics(metrics: Dict[str, float], iteration: int, writer=None, wandb_writer=None) -> None:
+    """The placement policy's metrics (``PluginStepHooks.placement_metrics``) as ``moe_placement/<key>``."""
+    scalars = {f"moe_placement/{k}": float(v) for k, v in metrics.items()}
+    if writer is not None:
+        for k, v in scalars.items():
+            writer.add_scalar(k, v, iteration)
+    if wandb_writer is not None and scalars:
+        wandb_writer.log(scalars, iteration)
+
+
+def format_placement_metrics(metrics: Dict[str, float]) -> str:
+    """One short progress-line fragment: moves so far, replicas, shadowed experts, balance ratio of the last
+    steps ('' without placement metrics)."""
+    if not metrics:
+        return ""
+    moves = metrics.get("moves_total", metrics.get("moves", 0.0))
+    return (f"placement moves {int(moves)} replicas {int(metrics.get('replicas', 0))} "
+            f"shadowed {int(metrics.get('shadowed', 0))} balance {metrics.get('balance_ratio', 1.0):.2f}")
