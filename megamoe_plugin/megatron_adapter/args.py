@@ -192,6 +192,19 @@ def validate_moe_plugin_args(args) -> Optional[MoEConfig]:
         raise ConfigError(f"megamoe-plugin: --tensor-model-parallel-size={tp} with --moe-plugin needs "
                           "--sequence-parallel (each tensor-parallel rank routes its own sequence shard)")
     cfg = config_from_megatron(args)
+    if _get(args, "use_distributed_optimizer", default=False):
+        # the placement runtime moves an expert's rows of the Adam moments and fp32 master weights (placement/
+        # runtime.py); the distributed optimizer keeps them flattened and sharded over data-parallel ranks
+        if cfg.placement in ("flexmoe", "shadow"):
+            raise ConfigError(f"megamoe-plugin: --use-distributed-optimizer with --moe-plugin-placement="
+                              f"{cfg.placement}: the placement runtime moves experts' rows of the optimizer state, "
+                              "which the distributed optimizer shards over data-parallel ranks; drop "
+                              "--use-distributed-optimizer or use --moe-plugin-placement none")
+        if cfg.slots_per_rank > cfg.num_local_experts:
+            raise ConfigError(f"megamoe-plugin: --use-distributed-optimizer with "
+                              f"--moe-plugin-placement-spare-slots={cfg.placement_spare_slots}: spare vExpert slots "
+                              "are checkpointed by logical expert id, which the distributed optimizer's flattened "
+                              "state cannot follow; drop one of the two")
     from ..placement import build_placement_policy
     try:
         build_placement_policy(cfg)       # an unknown or unimportable policy fails now, not after the model
