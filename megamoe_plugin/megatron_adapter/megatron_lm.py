@@ -128,10 +128,12 @@ def after_train_step(args, model, optimizer, iteration: int) -> None:
     log_interval = getattr(args, "log_interval", 0) or 0
     if log_interval > 0 and iteration % log_interval == 0:
         from megatron.training.global_vars import get_tensorboard_writer, get_wandb_writer
-        from .metrics import format_layer_metrics
+        from .metrics import format_layer_metrics, format_placement_metrics
         metrics = hooks.log_metrics(iteration, get_tensorboard_writer(), get_wandb_writer())
+        placement = format_placement_metrics(hooks.placement_metrics())
         if _rank() == 0 and metrics:
-            print(f"[megamoe-plugin] iteration {iteration:8d} | {format_layer_metrics(metrics)}", flush=True)
+            print(f"[megamoe-plugin] iteration {iteration:8d} | {format_layer_metrics(metrics)}"
+                  f"{' | ' + placement if placement else ''}", flush=True)
 
 
 def _wrap_train_step(train_step: Callable) -> Callable:
@@ -333,6 +335,11 @@ def install_megatron_lm_hooks() -> List[str]:
         from .cpu_compat import install_cpu_shims
         install_cpu_shims()   # re-patch megatron.training modules imported just now
     _dataset_helpers_fallback()
+    # Megatron-LM saves its args in every checkpoint, args.moe_plugin_config included; resuming loads them with
+    # torch.load(weights_only=True), which refuses classes not registered as safe
+    from ..config import MoEConfig
+    torch.serialization.add_safe_globals([MoEConfig])
+    _APPLIED.append("MoEConfig safe for torch.load")
     for mod in (init, arguments):
         mod.parse_args = _wrap_parse_args(mod.parse_args)
         mod.validate_args = _wrap_validate_args(mod.validate_args)
