@@ -12,8 +12,10 @@ layers), parallel_state groups (TP, PP, EP, DP), DistributedDataParallel, get_me
 OptimizerParamScheduler, get_forward_backward_func schedules (pipelining included), GPTDataset / MockGPTDataset
 through BlendedMegatronDatasetBuilder, dist_checkpointing. With ``--moe-plugin`` the MoE layers of the spec become
 the plugin's (spec.py) and the after-step hook runs after every optimizer step (hooks.py). Flags use Megatron-LM's
-names (core_args.py) plus ``--moe-plugin-*`` (args.py); ``-h`` lists them. Without CUDA, megatron-core runs on
-CPU with gloo through the plugin's shims (cpu_compat.py).
+names (core_args.py) plus ``--moe-plugin-*`` (args.py); ``-h`` lists them. With ``--moe-plugin-placement flexmoe``
+or ``shadow`` experts are re-placed between steps and the progress line ends with ``placement moves N replicas R
+shadowed S balance B``; checkpoints hold experts by logical id, so they load at any EP size and placement. Without
+CUDA, megatron-core runs on CPU with gloo through the plugin's shims (cpu_compat.py).
 """
 import argparse
 import math
@@ -154,7 +156,8 @@ def loss_func(loss_mask, output_tensor):
     losses = output_tensor.float().view(-1)
     mask = loss_mask.view(-1).float()
     loss = torch.sum(losses * mask) / mask.sum().clamp_min(1.0)
-    return loss, {"lm loss": loss.detach()}
+    # a copy: the schedule divides the returned loss by the number of micro-batches in place
+    return loss, {"lm loss": loss.detach().clone()}
 
 
 def forward_step(data_iterator, model):
@@ -263,7 +266,7 @@ def main(argv=None):
     hooks = None
     if args.moe_plugin:
         from megamoe_plugin.megatron_adapter.hooks import get_step_hooks
-        from megamoe_plugin.megatron_adapter.metrics import format_layer_metrics
+        from megamoe_plugin.megatron_adapter.metrics import format_layer_metrics, format_placement_metrics
         hooks = get_step_hooks(args.moe_plugin_config, args.num_layers)
 
     start = load_checkpoint(args, model, optimizer, scheduler) if args.load else 0
@@ -317,6 +320,8 @@ def main(argv=None):
             moe = ""
             if hooks is not None:
                 moe = " | " + format_layer_metrics(hooks.log_metrics(iteration, writer))
+                placement = format_placement_metrics(hooks.placement_metrics())
+                moe += " | " + placement if placement else ""
             aux_text = "".join(f" | {k} {v / window:.4f}" for k, v in aux_window.items())
             ms = (time.time() - t0) * 1000 / window
             tokens = args.global_batch_size * args.seq_length * window / (time.time() - t0)
