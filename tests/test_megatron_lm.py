@@ -1,6 +1,8 @@
 """Megatron-LM's own ``pretrain_gpt.py`` with the plugin: the patch (patches/pretrain_gpt.py.patch) and the no-patch
 launcher (``python -m megamoe_plugin.megatron_adapter.launch``), each on 2 gloo processes (torchrun) with EP=2, a tiny MoE
-GPT on mock data and the test placement policy; plus a bad flag combination refused at argument validation.
+GPT on mock data and the test placement policy; plus bad flag combinations refused at argument validation, and
+``--moe-plugin-placement flexmoe`` in Megatron-LM's loop and checkpoints (same training, checkpoint after moves loads at
+EP=1).
 
 Needs ``MEGATRON_LM_DIR``: a Megatron-LM checkout matching the installed megatron-core (core_v0.16.1). It is copied
 to a temporary directory (the patch is applied to the copy; the checkout is never modified). Without it the whole
@@ -151,3 +153,74 @@ def test_bad_flag_combination_fails_at_validation(checkout, tmp_path):
     assert re.search(r"error: megamoe-plugin: --moe-router-topk=2: the switch gate routes each token to 1 expert; "
                      r"use --moe-router-topk=1", out), _tail(out)
     assert "building GPT model" not in out and "initializing torch distributed" not in out, _tail(out)
+
+
+# --- dynamic expert placement in Megatron-LM's own training loop and checkpoints ------------------------------------
+PLACEMENT_LINE = re.compile(r"\[megamoe-plugin\] iteration\s+(\d+) \|.*\| placement moves (\d+) replicas (\d+)")
+LM_LOSS = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?lm loss: (\S+) \|")
+
+
+def _slow_compute_profile(path):
+    from megamoe_plugin.perfmodel.profiles import get_profile
+    p = get_profile("flexmoe-a100")
+    p.gemm_tflops = 1e-6            # compute dominates: the FlexMoE planner acts even for these tiny experts
+    p.save(str(path))
+    return str(path)
+
+
+def test_flexmoe_placement_in_megatron_lm_same_training_and_checkpoint(checkout, tmp_path):
+    """The patched pretrain_gpt.py with --moe-plugin-placement flexmoe: experts move (the summary line says so), the
+    losses are those of the run without placement, and the torch_dist checkpoint written after the moves (experts
+    and Adam state by logical id) loads at EP=1 in one process exactly like the checkpoint of the run without
+    placement. Routing is deterministic (second expert always kept); the RNG state is per layout, not loaded."""
+    root = _copy_checkout(checkout, tmp_path / "Megatron-LM")
+    p = subprocess.run(["git", "apply", PATCH], cwd=root, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    assert p.returncode == 0, p.stdout
+    env = _env(tmp_path, root, tmp_path)
+    script = os.path.join(root, "pretrain_gpt.py")
+    profile = _slow_compute_profile(tmp_path / "slow.json")
+    base = CPU_ARGS + TINY_ARGS + ["--num-experts", "4", "--moe-router-topk", "2", "--moe-plugin", "--moe-plugin-gate",
+                                   "gshard", "--moe-plugin-second-expert-policy", "all", "--log-interval", "1"]
+    placement = ["--moe-plugin-placement", "flexmoe", "--moe-plugin-placement-profile", profile,
+                 "--moe-plugin-placement-threshold", "1.0"]
+    base[base.index("--train-iters") + 1] = str(ITERS + 2)     # the LR schedule's length; the EP=2 runs stop at ITERS
+    ep2 = ["--expert-model-parallel-size", "2"]
+    runs = {}
+    for name, extra in (("none", []), ("flexmoe", placement)):
+        ck = str(tmp_path / f"ck_{name}")
+        rc, out = _torchrun([script] + base + ep2 + extra + ["--save", ck, "--save-interval", str(ITERS),
+                                                             "--exit-interval", str(ITERS)], env, tmp_path)
+        assert rc == 0 and "successfully saved checkpoint" in out, _tail(out)
+        losses = {int(i): float(v) for i, v in LM_LOSS.findall(out)}
+        assert sorted(losses) == list(range(1, ITERS + 1)), _tail(out)
+        runs[name] = (losses, out, ck)
+    moves = {int(i): (int(m), int(r)) for i, m, r in PLACEMENT_LINE.findall(runs["flexmoe"][1])}
+    assert sorted(moves) == list(range(1, ITERS + 1)) and moves[ITERS][0] > 0, _tail(runs["flexmoe"][1])
+    assert "placement moves" not in runs["none"][1]
+    for it, v in runs["none"][0].items():
+        assert abs(runs["flexmoe"][0][it] - v) <= 1e-5 * abs(v), (runs["flexmoe"][0], runs["none"][0])
+    # both checkpoints resumed for 2 more steps at EP=1 in one process: the same losses
+    resumed = {}
+    for name in ("none", "flexmoe"):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1", script] + base \
+            + ["--expert-model-parallel-size", "1", "--load", runs[name][2], "--no-load-rng"]
+        p = subprocess.run(cmd, env=env, cwd=str(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                           timeout=TIMEOUT)
+        assert p.returncode == 0, _tail(p.stdout)
+        resumed[name] = {int(i): float(v) for i, v in LM_LOSS.findall(p.stdout)}
+        assert sorted(resumed[name]) == [ITERS + 1, ITERS + 2], _tail(p.stdout)
+    for it, v in resumed["none"].items():
+        assert abs(resumed["flexmoe"][it] - v) <= 1e-5 * abs(v), resumed
+
+
+def test_distributed_optimizer_with_placement_fails_at_validation(checkout, tmp_path):
+    """--use-distributed-optimizer shards the optimizer state the placement runtime moves row by row: refused after
+    Megatron's validate_args, both flags named, before any model is built."""
+    root = _copy_checkout(checkout, tmp_path / "Megatron-LM")
+    rc, out = _torchrun(["-m", "megamoe_plugin.megatron_adapter.launch", os.path.join(root, "pretrain_gpt.py")]
+                        + CPU_ARGS + TINY_ARGS + MOE_ARGS + ["--use-distributed-optimizer", "--moe-plugin-placement",
+                                                             "flexmoe"], _env(tmp_path, root, tmp_path), tmp_path)
+    assert rc != 0, _tail(out)
+    assert re.search(r"error: megamoe-plugin: --use-distributed-optimizer with --moe-plugin-placement=flexmoe", out), \
+        _tail(out)
+    assert "building GPT model" not in out, _tail(out)
