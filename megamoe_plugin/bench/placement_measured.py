@@ -201,16 +201,6 @@ def _train_step(layers, opt, hook, x, target, iteration: int, world: int) -> tor
     return loss.detach(), time.perf_counter() - t0
 
 
-def _loads(state, counts: torch.Tensor, shadowed) -> torch.Tensor:
-    """Tokens each rank computes for counts [P, E] under ``state`` with ``shadowed`` experts computed at source."""
-    c = counts.clone()
-    local = torch.zeros(state.num_ranks, dtype=torch.float64)
-    for e in shadowed:
-        local += c[:, e]
-        c[:, e] = 0
-    return state.route(c).sum((0, 1)) + local
-
-
 def measure(args, P: int, rank: int, profile_info: dict) -> Optional[dict]:
     """Collective over the default group; rank 0 returns the results."""
     from ..perfmodel.cost import LayerShape
@@ -248,7 +238,7 @@ def measure(args, P: int, rank: int, profile_info: dict) -> Optional[dict]:
                 parts = [torch.empty_like(c) for _ in range(P)]
                 dist.all_gather(parts, c.contiguous())
                 counts = torch.stack(parts).to(torch.float64)
-                loads = _loads(state, counts, shadowed)
+                loads = state.rank_loads(counts, shadowed)
                 bal.append(float(loads.max()) * P / float(loads.sum()))
                 pred += (cm.shadow_layer_time(counts, shadowed, state.placement()) if shadowed
                          else cm.layer_time(counts, state.placement())).total

@@ -58,15 +58,6 @@ def global_counts(rt) -> torch.Tensor:
     return counts.cpu()
 
 
-def _rank_loads(state, counts: torch.Tensor, shadowed) -> torch.Tensor:
-    c = counts.clone()
-    local = torch.zeros(state.num_ranks, dtype=torch.float64)
-    for e in shadowed:
-        local += c[:, e]
-        c[:, e] = 0
-    return state.route(c).sum((0, 1)) + local
-
-
 def _agree(rt, decision) -> None:
     """The ranks of an expert-parallel group must have planned the same thing."""
     if rt.ep.size == 1:
@@ -128,7 +119,7 @@ class _Policy:
             counts = global_counts(rt)
             dropped = rt.take_dropped()
             key, cm = self._cm(bank, rt.num_experts, rt.ep.size)
-            before_loads = _rank_loads(rt.state, counts, rt.shadowed)
+            before_loads = rt.state.rank_loads(counts, rt.shadowed)
             predicted = cm.shadow_layer_time(counts, rt.shadowed, rt.state.placement()).total if rt.shadowed \
                 else cm.layer_time(counts, rt.state.placement()).total
             moves, shadow = self.decide(key, cm, rt, counts)
@@ -154,7 +145,7 @@ class _Policy:
         for rt, counts, dropped, loads, pred, mv, _ in rows:
             total = float(loads.sum())
             bal.append(float(loads.max()) * rt.ep.size / total if total > 0 else 1.0)
-            after = _rank_loads(rt.state, counts, rt.shadowed)
+            after = rt.state.rank_loads(counts, rt.shadowed)
             bal_next.append(float(after.max()) * rt.ep.size / total if total > 0 else 1.0)
             kept += float(counts.sum())
             routed += float(counts.sum()) + dropped

@@ -224,9 +224,15 @@ class PlacementState:
             return _round_rows(out, c.round())
         return out
 
-    def rank_loads(self, counts) -> torch.Tensor:
-        """[P] tokens each rank computes after routing."""
-        return self.route(counts).sum((0, 1))
+    def rank_loads(self, counts, shadowed: Iterable[int] = ()) -> torch.Tensor:
+        """[P] tokens each rank computes after routing; the tokens of ``shadowed`` experts (FasterMoE shadowing)
+        are computed on their source rank."""
+        c = self._counts(counts).clone()
+        local = torch.zeros(self.num_ranks, dtype=torch.float64)
+        for e in shadowed:
+            local += c[:, self._expert(e)]
+            c[:, e] = 0
+        return self.route(c).sum((0, 1)) + local
 
     def balance_ratio(self, counts) -> float:
         """Paper 001 Eq. 6 over ranks after routing: max_g load_g / mean_g load_g (1.0 when there is no token)."""
