@@ -86,8 +86,7 @@ def _expert_sq_norm(param: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
     rt = placement_of(param)
     if rt is None or rt.trivial or grad.dim() == 0 or grad.shape[0] != rt.slots_per_rank:
         return torch.linalg.vector_norm(grad, dtype=torch.float32) ** 2
-    rows = torch.linalg.vector_norm(grad.reshape(grad.shape[0], -1), dim=1, dtype=torch.float32) ** 2
-    return (rows * rt.slot_weights().to(device=rows.device, dtype=rows.dtype)).sum()
+    return rt.grad_sq_norm(grad, dtype=torch.float32)
 
 
 def expert_params(module: torch.nn.Module) -> List[torch.nn.Parameter]:

@@ -446,11 +446,10 @@ def _cpu_tracker_add(self, name, seed):
     and torch.cuda.manual_seed(); here the state of a CPU generator seeded with `seed` is
     stored (the global generator is left alone)."""
     self._is_initialized = True
-    if seed in self.seeds_:
-        raise Exception("seed {} already exists".format(seed))
+    clash = ([f"seed {seed}"] if seed in self.seeds_ else []) + ([f"state {name!r}"] if name in self.states_ else [])
+    if clash:      # the tracker's contract: one state per name, one name per seed
+        raise Exception(f"megamoe-plugin CPU RNG tracker: {' and '.join(clash)} registered twice")
     self.seeds_.add(seed)
-    if name in self.states_:
-        raise Exception("cuda rng state {} already exists".format(name))
     gen = torch.Generator(device="cpu")
     gen.manual_seed(int(seed))
     self.states_[name] = gen.get_state()

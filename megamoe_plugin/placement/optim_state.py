@@ -23,13 +23,6 @@ import torch
 
 __all__ = ["param_state_tensors", "check_optimizer_supported"]
 
-_UNSUPPORTED = {
-    "DistributedOptimizer": "Megatron's distributed optimizer shards expert state over ranks "
-                            "(drop --use-distributed-optimizer to move experts)",
-    "FP16Optimizer": None,          # fairseq: fine unless its fp32 params are one flat tensor (checked below)
-}
-
-
 def _levels(optimizer) -> Iterator[object]:
     """The optimizer and every wrapper/inner optimizer below it, depth first through chains."""
     seen = set()
@@ -55,7 +48,8 @@ def check_optimizer_supported(optimizer) -> None:
     for o in _levels(optimizer):
         name = type(o).__name__
         if name == "DistributedOptimizer":
-            raise ValueError(f"megamoe-plugin placement: {_UNSUPPORTED[name]}")
+            raise ValueError("megamoe-plugin placement: Megatron's distributed optimizer shards expert state over "
+                             "ranks (drop --use-distributed-optimizer to move experts)")
         fp32 = getattr(o, "fp32_params", None)
         if torch.is_tensor(fp32) or (isinstance(fp32, dict) and fp32):
             raise ValueError("megamoe-plugin placement: fairseq's FP16Optimizer keeps one flat fp32 copy of all "

@@ -387,15 +387,19 @@ class PlacementRuntime:
         return torch.tensor([0.0 if e is None else 1.0 / self.state.num_replicas(e) for e in self.slot_experts()],
                             dtype=torch.float64)
 
+    def grad_sq_norm(self, grad: torch.Tensor, dtype=torch.float64) -> torch.Tensor:
+        """Squared L2 norm of one [slots, ...] bank gradient with every logical expert counted once over the
+        expert-parallel group (rows weighted by ``slot_weights``); on the gradient's device, no host sync."""
+        rows = torch.linalg.vector_norm(grad.reshape(grad.shape[0], -1), dim=1, dtype=dtype).pow(2)
+        return (rows * self.slot_weights().to(device=rows.device, dtype=dtype)).sum()
+
     def expert_grad_sq_norm(self, bank) -> torch.Tensor:
-        """This rank's share of the squared L2 norm of the bank's gradients, every logical expert counted once
-        over the expert-parallel group (replicas weighted by 1/replicas, free slots 0). float64 scalar."""
-        w = self.slot_weights()
+        """This rank's share of the squared L2 norm of the bank's gradients (``grad_sq_norm`` summed over its
+        parameters). float64 scalar on the CPU."""
         total = torch.zeros((), dtype=torch.float64)
         for p in (bank.w1, bank.w2, bank.b1, bank.b2):
             if p is not None and p.grad is not None:
-                rows = torch.linalg.vector_norm(p.grad.reshape(p.shape[0], -1), dim=1, dtype=torch.float64)
-                total = total + (rows.pow(2).cpu() * w).sum()
+                total = total + self.grad_sq_norm(p.grad).cpu()
         return total
 
     def to_checkpoint(self) -> dict:
