@@ -30,6 +30,8 @@ ACTIVATIONS = ("gelu", "relu", "swiglu")
 CPU_GEMMS = ("auto", "onednn", "blas")
 SECOND_EXPERT_POLICIES = ("all", "random")
 SCHEDULES = ("plain", "smart")
+CAPACITY_POLICIES = ("static", "dynamic")
+EXPERT_GRAPHS = ("none", "compile", "cuda-graph")
 
 
 @dataclass
@@ -102,6 +104,35 @@ class MoEConfig:
                                                   "written by `megamoe perf calibrate`.")
     placement_group_cache: int = _opt(32, "Replica gradient all-reduce process groups kept in the LRU cache "
                                           "(FlexMoE §4).")
+    # --- dynamic shapes (DynaMoE: RECOMPILE, dynamic capacity, sample-assignment caching) --------------------------
+    capacity_policy: str = _opt("static", "capacity mode: static (every expert's capacity from the capacity factor) "
+                                          "or dynamic (DynaMoE §4.1: each expert's capacity follows its observed "
+                                          "demand, changed between steps by RECOMPILE).", CAPACITY_POLICIES)
+    capacity_headroom: float = _opt(0.2, "dynamic capacity: capacity = smoothed per-expert demand x (1 + headroom).")
+    capacity_smoothing: float = _opt(0.7, "dynamic capacity: weight of the past in the moving average of each "
+                                          "expert's demand (0 = the last step only).")
+    capacity_hysteresis: float = _opt(0.25, "dynamic capacity: recompile when an expert's smoothed demand exceeds its "
+                                            "capacity, or its capacity exceeds the target by more than this fraction "
+                                            "(bounds the number of recompilations).")
+    capacity_quantum: int = _opt(8, "dynamic capacity: capacities are rounded up to a multiple of this (fewer "
+                                    "distinct shapes; GEMM-friendly sizes).")
+    recompile_delta_launch: int = _opt(1, "RECOMPILE Δ_launch: a decision computed from a step's metrics takes effect "
+                                          "this many steps later (the trigger runs off the training thread "
+                                          "meanwhile); 0 = apply before the next step (the loop waits).")
+    expert_graph: str = _opt("none", "capacity mode: run the experts' static-shape computation as a torch.compile "
+                                     "graph (compile) or a captured CUDA graph (cuda-graph), re-compiled / "
+                                     "re-captured when dynamic capacity changes the shapes; weights are never "
+                                     "reallocated.", EXPERT_GRAPHS)
+    assignment_cache: bool = _opt(False, "DynaMoE §4.2: cache each training sample's expert assignment by dataset "
+                                         "index; once converged, dispatch uses the cached assignment (the gate keeps "
+                                         "training and refreshing the cache).")
+    assignment_cache_on: float = _opt(0.96, "assignment cache: switch caching on when at least this fraction of "
+                                            "the tokens kept their assignment over the last epoch.")
+    assignment_cache_off: float = _opt(0.90, "assignment cache: switch caching off when fewer than this fraction "
+                                             "kept their assignment.")
+    assignment_cache_min_epoch: int = _opt(10, "assignment cache: never switch caching on before this epoch.")
+    assignment_cache_positions: int = _opt(0, "assignment cache: positions per sample (the sequence length); 0 = "
+                                              "the trainer's sequence length / max positions.")
     # --- observability -------------------------------------------------------------------------------------------
     trace_path: str = _opt("", "Write routing traces (per layer and step [source rank x expert] counts) here.")
     trace_token_ids: bool = _opt(False, "Also record every token's expert ids in the trace (larger files).")
@@ -198,6 +229,34 @@ class MoEConfig:
             bad("placement_max_moves", "must be >= 0")
         if self.placement_group_cache < 1:
             bad("placement_group_cache", "must be >= 1")
+        for name in ("capacity_policy", "expert_graph"):
+            if getattr(self, name) not in _field(name).metadata["choices"]:
+                bad(name, f"must be one of {', '.join(_field(name).metadata['choices'])}")
+        if self.capacity_policy == "dynamic" and self.dispatch != "capacity":
+            bad("capacity_policy", "dynamic capacity changes the capacity dispatch's shapes; use "
+                                   "--moe-dispatch capacity (dropless dispatch has no capacity)")
+        if self.expert_graph != "none" and self.dispatch != "capacity":
+            bad("expert_graph", "static-shape expert graphs need --moe-dispatch capacity (dropless shapes change "
+                                "every call)")
+        if self.capacity_headroom < 0:
+            bad("capacity_headroom", "must be >= 0")
+        if not 0.0 <= self.capacity_smoothing < 1.0:
+            bad("capacity_smoothing", "must be in [0, 1)")
+        if self.capacity_hysteresis < 0:
+            bad("capacity_hysteresis", "must be >= 0")
+        if self.capacity_quantum < 1:
+            bad("capacity_quantum", "must be >= 1")
+        if self.recompile_delta_launch < 0:
+            bad("recompile_delta_launch", "must be >= 0")
+        for name in ("assignment_cache_on", "assignment_cache_off"):
+            if not 0.0 <= getattr(self, name) <= 1.0:
+                bad(name, "must be a fraction in [0, 1]")
+        if self.assignment_cache_off > self.assignment_cache_on:
+            bad("assignment_cache_off", f"must not exceed --moe-assignment-cache-on={self.assignment_cache_on}")
+        if self.assignment_cache_min_epoch < 0:
+            bad("assignment_cache_min_epoch", "must be >= 0")
+        if self.assignment_cache_positions < 0:
+            bad("assignment_cache_positions", "must be >= 0 (0 = the trainer's sequence length)")
         if self.world_size < 0:
             bad("world_size", "must be >= 0")
         world = self.resolved_world_size()

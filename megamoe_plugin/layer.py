@@ -9,6 +9,9 @@ Capacity: in ``capacity`` mode each expert's capacity comes from ``capacity_fact
 ``eval_capacity_factor`` at inference, where 0 means dropless), unless ``set_expert_capacity`` fixed a
 per-expert vector (dynamic capacity, DynaMoE paper 000 §4.1, changes it between steps).
 
+DynaMoE (``dynamic/``): ``plan.route`` meters the demand for dynamic capacity and uses cached sample assignments
+when the model's assignment cache is on; ``plan.finish`` refreshes the cache.
+
 Schedule: with ``schedule == "smart"`` (FasterMoE paper 003 §4.2) a dropless call with expert parallelism runs
 dispatch, experts and combine as one pipelined grouped pairwise exchange (dispatch/smart.py); outputs and
 gradients are the plain path's.
@@ -84,14 +87,17 @@ class MoELayer(nn.Module):
         return self.plan.capacity_for(num_tokens, self.training)
 
     # --- forward -------------------------------------------------------------------------------------------------
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, keys_shape=None, select=None) -> torch.Tensor:
+        """x [..., H] -> [..., H]. `keys_shape`/`select` (adapters): how x's tokens map to the batch the
+        assignment cache was given (default: x's own shape); see ``DispatchPlan.route``."""
         shape = x.shape
         if shape[-1] != self.hidden_size:
             raise ValueError(f"MoELayer expects hidden size {self.hidden_size}, got input of shape {tuple(shape)}")
         tokens = x.reshape(-1, self.hidden_size)
-        capacity = self.capacity_for(tokens.shape[0])
-        routing = self.gate(tokens, capacity=capacity)
+        routing, capacity, keys = self.plan.route(self.gate, tokens, self.training,
+                                                  tuple(shape[:-1]) if keys_shape is None else keys_shape, select)
         y = self.plan.run(tokens, routing, capacity, self.training, self.experts)
+        self.plan.finish(routing, keys)
         self.aux_losses = routing.aux_losses
         self.aux_loss = routing.aux_loss()
         self.last_routing = routing

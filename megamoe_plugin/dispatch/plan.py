@@ -15,6 +15,11 @@ in one place:
   moved or shadowed, the routing's logical ids become vExpert slot ids and the kept assignments go through the
   dropless exchange (or the smart one) over slots; capacity, when used, has already decided in the gate which
   assignments are kept. With the initial placement nothing changes.
+- DynaMoE (paper 000, ``dynamic/``): ``route`` is the gate call of both the core layer and the adapters' layers:
+  it reads a cached assignment when the model's assignment cache is on (``attach_dynamic``), meters the step's
+  per-expert demand for dynamic capacity (``capacity_meter``) and, after the combine (``finish``), refreshes the
+  cache with the gate's own choice; with ``expert_graph`` the capacity path's experts run as a static-shape graph
+  that ``recompile_graphs`` rebuilds when the capacities change.
 """
 from __future__ import annotations
 
@@ -30,6 +35,8 @@ from .capacity import CapacityDispatcher
 from .dropless import DroplessDispatcher
 from .smart import SmartDispatcher, schedule_groups
 from ..placement.runtime import PlacementRuntime, group_cache
+from ..dynamic.capacity import CapacityMeter
+from ..dynamic.static_graph import StaticExpertGraph
 
 
 class DispatchPlan:
@@ -45,6 +52,51 @@ class DispatchPlan:
         if not ep.layout_only:
             self.placement = PlacementRuntime(cfg.num_experts, ep, cfg.slots_per_rank, edp_group=edp_group,
                                               cache=group_cache(cfg.placement_group_cache))
+        self.capacity_meter = CapacityMeter(cfg.num_experts)
+        self.static_graph = StaticExpertGraph(cfg.expert_graph) if cfg.expert_graph != "none" else None
+        self.layer_id: Optional[int] = None
+        self.assignment_cache = None
+
+    # --- DynaMoE: the gate call, assignment caching, metering -------------------------------------------------------
+    def attach_dynamic(self, layer_id: int, cache=None) -> None:
+        """Called by ``dynamic.runtime.DynamicRuntime``: this layer's global id and the model's assignment cache."""
+        self.layer_id, self.assignment_cache = layer_id, cache
+
+    def route(self, gate, tokens: torch.Tensor, training: bool, keys_shape=None, select=None):
+        """The layer's gate call: (routing, capacity, token keys or None). `keys_shape`: the layer input's shape
+        without the hidden dim (how the assignment cache's batch keys are laid out); `select`: indices of the
+        tokens of that shape this call routes (fairseq drops padding)."""
+        capacity = self.capacity_for(tokens.shape[0], training)
+        keys, assigned = None, None
+        cache = self.assignment_cache
+        if cache is not None and training and keys_shape is not None:
+            keys = cache.token_keys(keys_shape, tokens.device)
+            if keys is not None and select is not None:
+                keys = (keys[0].index_select(0, select), keys[1].index_select(0, select), keys[2])
+            if keys is not None and cache.active and keys[2] and self.layer_id in cache.tables:
+                assigned = cache.lookup(self.layer_id, keys[0])
+                cache.cached_calls += 1
+        routing = gate(tokens, capacity=capacity, assigned=assigned)
+        if training:
+            self.capacity_meter.record(routing, capacity)
+        return routing, capacity, keys
+
+    def finish(self, routing: Routing, keys) -> None:
+        """After the combine: wait for the gate's side stream; refresh the assignment cache (training)."""
+        routing.join()
+        if keys is not None:
+            self.assignment_cache.observe(self.layer_id, keys[0], keys[1], routing.chosen_ids)
+
+    def run_experts(self, experts, expert_in: torch.Tensor, tokens_per_expert: List[int], capacity) -> torch.Tensor:
+        """The experts on dispatched tokens; a capacity call with ``expert_graph`` runs the static-shape graph."""
+        if self.static_graph is not None and capacity is not None:
+            return self.static_graph(experts, expert_in, tokens_per_expert)
+        return experts(expert_in, tokens_per_expert)
+
+    def recompile_graphs(self) -> None:
+        """The capacities changed: rebuild the static-shape expert graph for the new shapes (weights untouched)."""
+        if self.static_graph is not None:
+            self.static_graph.recompile()
 
     def set_expert_capacity(self, capacity: Optional[Sequence[int]]) -> None:
         """Fix each expert's capacity (per source rank), or None to go back to the capacity factor."""
@@ -96,6 +148,7 @@ class DispatchPlan:
         return self.smart is not None and capacity is None
 
     def run_smart(self, tokens: torch.Tensor, routing: Routing, experts) -> torch.Tensor:
+        routing.join()
         return self.smart.forward(tokens, self._slot_routing(routing), experts)
 
     def run(self, tokens: torch.Tensor, routing: Routing, capacity: Optional[List[int]], training: bool,
@@ -105,9 +158,10 @@ class DispatchPlan:
         if self.uses_smart(capacity):
             return self.run_smart(tokens, routing, experts)
         expert_in, tokens_per_expert, handle = self.dispatch(tokens, routing, capacity, training)
-        return self.combine(experts(expert_in, tokens_per_expert), handle, routing)
+        return self.combine(self.run_experts(experts, expert_in, tokens_per_expert, capacity), handle, routing)
 
     @staticmethod
     def combine(expert_out: torch.Tensor, handle: tuple, routing: Routing) -> torch.Tensor:
         dispatcher, state = handle
+        routing.join()                      # the weights may still be in flight on the gate's side stream
         return dispatcher.combine(expert_out, state, routing)

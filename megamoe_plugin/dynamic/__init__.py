@@ -1,5 +1,18 @@
-"""Dynamic shapes between steps (DynaMoE paper 000): ``recompile`` is the RECOMPILE mechanism (§3, Appendix B),
-triggers run off the training thread and their decisions land at a step boundary Δ_launch steps later."""
-from .recompile import Recompiler
+"""Dynamic shapes between steps (DynaMoE paper 000).
 
-__all__ = ["Recompiler"]
+- ``recompile``: the RECOMPILE mechanism (§3, Appendix B): triggers run off the training thread, their decisions
+  land at a step boundary Δ_launch steps later.
+- ``capacity``: dynamic per-expert capacity factors (§4.1, §5.2): demand meter and moving-average policy.
+- ``assignment_cache``: sample-assignment caching (§4.2, §5.3) and its on/off policy.
+- ``static_graph``: torch.compile / CUDA-graph expert graphs re-built when the capacities change.
+- ``runtime``: ``DynamicRuntime``, one per model, what the adapters call after each optimizer step.
+- ``predictors``: MoE-of-predictors heads with cooperation / specification loss, hierarchical MoE (§2.1, App. A).
+"""
+from .assignment_cache import AssignmentCache, CachePolicy
+from .capacity import CapacityMeter, DynamicCapacityPolicy
+from .recompile import Recompiler
+from .runtime import DynamicRuntime, dynamic_enabled
+from .static_graph import StaticExpertGraph
+
+__all__ = ["AssignmentCache", "CachePolicy", "CapacityMeter", "DynamicCapacityPolicy", "DynamicRuntime",
+           "Recompiler", "StaticExpertGraph", "dynamic_enabled"]

@@ -69,7 +69,7 @@ class FairseqMoEFFN(nn.Module):
             return self.moe(x)
         flat = x.reshape(-1, x.shape[-1])
         keep = (~mask).transpose(0, 1).reshape(-1).nonzero().squeeze(1)     # real tokens, [T, B] order
-        y = self.moe(flat.index_select(0, keep))
+        y = self.moe(flat.index_select(0, keep), keys_shape=tuple(x.shape[:-1]), select=keep)
         return torch.zeros_like(flat).index_copy(0, keep, y).view_as(x)
 
     @property

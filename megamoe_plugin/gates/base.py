@@ -10,14 +10,23 @@ Capacity rule (GShard §2.2, the rule of fairseq's moe branch and DeepSpeed): ea
 slots per source rank; assignments claim slots in priority order (all first choices in token order, then all
 second choices, ...); an assignment whose position is >= capacity[e] is dropped. Positions come from one stable
 argsort, so no dense [T, E] or [T, E, C] mask is built. Capacity is a per-expert list so that dynamic capacity
-(DynaMoE) can change it between steps.
+(DynaMoE) can change it between steps; ``Routing.demand`` keeps the pre-capacity assignments per expert (what
+dynamic capacity sizes the buffers from).
+
+Cached assignments (DynaMoE §4.2, ``dynamic/assignment_cache.py``): ``forward(x, capacity, assigned=ids)`` routes
+by the given ids [T, k] instead of the gate's choice. Which assignments are kept, their buffer slots and the counts
+come from those ids alone, so dispatch and the experts need nothing from the gate; the gate still computes its
+logits (the combine weights are its probabilities at the assigned experts, so it keeps training), its balance loss
+and its own choice (``Routing.gate_ids``, which refreshes the cache). On a GPU that gate work runs on a side stream,
+concurrently with the dispatch and the experts; ``Routing.join()`` (called before the combine) waits for it.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn as nn
@@ -36,6 +45,20 @@ class Routing:
     dropped: torch.Tensor               # [] long, assignments dropped (capacity, random routing, no room)
     aux_losses: Dict[str, torch.Tensor] = field(default_factory=dict)
     slots: Optional[torch.Tensor] = None  # [T, k] long, position in the expert's capacity buffer (capacity mode)
+    demand: Optional[torch.Tensor] = None  # [E] long, assignments per expert before the capacity cut (capacity mode)
+    gate_ids: Optional[torch.Tensor] = None  # [T, k] the gate's own choice when expert_ids came from a cache
+    side_stream: Any = None               # CUDA stream still computing the weights / aux losses (cached routing)
+
+    def join(self) -> None:
+        """Make the current stream wait for the gate's side stream (no-op on CPU or without caching)."""
+        if self.side_stream is not None:
+            torch.cuda.current_stream().wait_stream(self.side_stream)
+            self.side_stream = None
+
+    @property
+    def chosen_ids(self) -> torch.Tensor:
+        """The gate's own choice [T, k] (what an assignment cache stores and compares)."""
+        return self.gate_ids if self.gate_ids is not None else self.expert_ids
 
     @cached_property
     def masked_ids(self) -> torch.Tensor:
@@ -84,7 +107,15 @@ class Gate(nn.Module):
             return F.linear(x.float(), self.weight.float())
         return F.linear(x, self.weight)
 
-    def forward(self, x: torch.Tensor, capacity: Optional[Sequence[int]] = None) -> Routing:
+    def forward(self, x: torch.Tensor, capacity: Optional[Sequence[int]] = None,
+                assigned: Optional[torch.Tensor] = None) -> Routing:
+        if assigned is not None:
+            return self._forward_assigned(x, capacity, assigned)
+        logits, probs, ids, kept, aux = self._decide(x)
+        return self._routing(x, ids, kept, capacity, probs, aux)
+
+    def _decide(self, x: torch.Tensor):
+        """logits, probabilities, the gate's choice (ids, kept) and its aux losses."""
         logits = self.logits(x)
         probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
         ids, kept = self.select(logits, probs)
@@ -93,18 +124,62 @@ class Gate(nn.Module):
             aux["balance"] = self.cfg.aux_loss_coeff * self.balance_loss(probs, ids, kept)
         if self.training and self.cfg.z_loss_coeff > 0 and x.shape[0] > 0:
             aux["z"] = self.cfg.z_loss_coeff * torch.logsumexp(logits, dim=-1).square().mean()
-        slots = None
-        if capacity is not None:
-            kept, slots = apply_capacity(ids, kept, capacity)
+        return logits, probs, ids, kept, aux
+
+    def _cut(self, ids: torch.Tensor, kept: torch.Tensor, capacity: Optional[Sequence[int]]):
+        """The capacity cut: (kept, slots, pre-cut demand per expert); no cut without capacity."""
+        if capacity is None:
+            return kept, None, None
+        demand = torch.bincount(masked_expert_ids(ids, kept, self.num_experts),
+                                minlength=self.num_experts + 1)[: self.num_experts]
+        kept, slots = apply_capacity(ids, kept, capacity)
+        return kept, slots, demand
+
+    def _weights(self, probs: torch.Tensor, ids: torch.Tensor, kept: torch.Tensor) -> torch.Tensor:
         weights = probs.gather(1, ids) * kept
         if self.cfg.normalize_top_k and ids.shape[1] > 1:
             weights = weights / weights.sum(-1, keepdim=True).clamp_min(1e-20)
+        return weights
+
+    def _routing(self, x, ids, kept, capacity, probs, aux) -> Routing:
+        kept, slots, demand = self._cut(ids, kept, capacity)
         flat = masked_expert_ids(ids, kept, self.num_experts)
         counts = torch.bincount(flat, minlength=self.num_experts + 1)[: self.num_experts]
         dropped = kept.numel() - kept.sum()
-        routing = Routing(ids, weights.to(x.dtype), kept, counts, dropped, aux, slots)
+        routing = Routing(ids, self._weights(probs, ids, kept).to(x.dtype), kept, counts, dropped, aux, slots,
+                          demand)
         routing.__dict__["masked_ids"] = flat          # fill the cached property: no second pass
         return routing
+
+    def _forward_assigned(self, x: torch.Tensor, capacity, assigned: torch.Tensor) -> Routing:
+        """Route by cached ids: kept/slots/counts from the ids alone (the dispatch can start at once); the gate's
+        logits, weights, aux losses and own choice on a side stream when on a GPU (module docstring)."""
+        ids = assigned.to(torch.long)
+        kept, slots, demand = self._cut(ids, torch.ones_like(ids, dtype=torch.bool), capacity)
+        flat = masked_expert_ids(ids, kept, self.num_experts)
+        counts = torch.bincount(flat, minlength=self.num_experts + 1)[: self.num_experts]
+        side = None
+        if x.is_cuda:
+            side = _side_stream(x.device)
+            side.wait_stream(torch.cuda.current_stream(x.device))
+        with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+            _, probs, gate_ids, _, aux = self._decide(x)
+            weights = self._weights(probs, ids, kept).to(x.dtype)
+        if side is not None:            # tensors made on the side stream, used on the current one
+            for t in [weights, gate_ids, *aux.values()]:
+                t.record_stream(torch.cuda.current_stream(x.device))
+        routing = Routing(ids, weights, kept, counts, kept.numel() - kept.sum(), aux, slots, demand, gate_ids, side)
+        routing.__dict__["masked_ids"] = flat
+        return routing
+
+
+_SIDE_STREAMS: Dict[Any, Any] = {}
+
+
+def _side_stream(device):
+    if device not in _SIDE_STREAMS:
+        _SIDE_STREAMS[device] = torch.cuda.Stream(device)
+    return _SIDE_STREAMS[device]
 
 
 def masked_expert_ids(expert_ids: torch.Tensor, kept: torch.Tensor, num_experts: int) -> torch.Tensor:

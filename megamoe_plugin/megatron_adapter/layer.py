@@ -208,7 +208,7 @@ class PluginTokenDispatcher:
 
     def dispatch_preprocess(self, hidden_states: torch.Tensor, routing: Routing, probs=None):
         self._shape, self._routing = hidden_states.shape, routing
-        return hidden_states.reshape(-1, hidden_states.shape[-1]), routing.weights
+        return hidden_states.reshape(-1, hidden_states.shape[-1]), probs
 
     def token_dispatch(self, tokens: torch.Tensor, probs, capacity=None, training: bool = True):
         expert_in, tokens_per_expert, self._handle = self.plan.dispatch(tokens, self._routing, capacity, training)
@@ -283,19 +283,25 @@ class PluginMoELayer(MegatronMoELayer):
 
     def _routed(self, hidden_states: torch.Tensor) -> torch.Tensor:
         tokens = hidden_states.reshape(-1, hidden_states.shape[-1])
-        capacity = self.capacity_for(tokens.shape[0])
-        routing = self.router(tokens, capacity=capacity)
-        if self.training:
-            self._attach_aux_losses(routing, tokens.shape[0])
+        # the gate call (and, with DynaMoE's assignment cache on, cached assignments): DispatchPlan.route
+        routing, capacity, keys = self.plan.route(self.router.gate, tokens, self.training,
+                                                  tuple(hidden_states.shape[:-1]))
         if self.plan.uses_smart(capacity):      # FasterMoE smart schedule: dispatch + experts + combine pipelined
+            if self.training:
+                routing.join()
+                self._attach_aux_losses(routing, tokens.shape[0])
             out = self.plan.run_smart(tokens, routing, self.experts.bank).view(hidden_states.shape)
         else:
             d = self.token_dispatcher
-            flat, probs = d.dispatch_preprocess(hidden_states, routing, routing.weights)
+            flat, probs = d.dispatch_preprocess(hidden_states, routing, None)
             dispatched, probs = d.token_dispatch(flat, probs, capacity, self.training)
-            expert_in, tokens_per_expert, permuted_probs = d.dispatch_postprocess(dispatched, probs)
-            expert_out, _ = self.experts(expert_in, tokens_per_expert, permuted_probs)
+            expert_in, tokens_per_expert, _ = d.dispatch_postprocess(dispatched, probs)
+            expert_out = self.plan.run_experts(self.experts.bank, expert_in, tokens_per_expert, capacity)
+            if self.training:                   # after the experts: a cached routing's gate ran alongside them
+                routing.join()
+                self._attach_aux_losses(routing, tokens.shape[0])
             out = d.combine_postprocess(d.token_combine(d.combine_preprocess(expert_out)))
+        self.plan.finish(routing, keys)
         self.aux_losses = {k: v.detach() for k, v in routing.aux_losses.items()}
         self.last_routing = routing
         self.stats.record(self.layer_number if self.layer_number is not None else 0, routing)
