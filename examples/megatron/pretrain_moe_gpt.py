@@ -160,8 +160,16 @@ def loss_func(loss_mask, output_tensor):
     return loss, {"lm loss": loss.detach().clone()}
 
 
+DYNAMIC = None      # the DynaMoE runtime (megamoe_plugin.dynamic) when the assignment cache is on
+
+
 def forward_step(data_iterator, model):
     batch = next(data_iterator)
+    if DYNAMIC is not None and DYNAMIC.cache is not None:
+        if torch.is_grad_enabled():      # training: key this micro-batch's tokens by (sample index, position)
+            DYNAMIC.cache.set_batch(batch["sample_ids"], batch["tokens"].shape[1], layout="sb", epoch=batch["epoch"])
+        else:
+            DYNAMIC.cache.clear_batch()
     output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
     return output, partial(loss_func, batch["loss_mask"])
 
@@ -202,6 +210,8 @@ def save_checkpoint(args, iteration, model, optimizer, scheduler):
     extra = {"iteration": iteration, "scheduler": scheduler.state_dict(),
              "rng": {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state(),
                      "tracker": get_cuda_rng_tracker().get_states()}}
+    if DYNAMIC is not None:              # capacities in force, the policies' state, the assignment cache
+        extra["dynamic"] = DYNAMIC.state_dict()
     model_sd = model.module.sharded_state_dict()
     dist_checkpointing.save({"model": model_sd, "optimizer": optimizer.sharded_state_dict(model_sd)}, path)
     torch.save(extra, os.path.join(path, f"extra_rank{dist.get_rank()}.pt"))
@@ -236,6 +246,8 @@ def load_checkpoint(args, model, optimizer, scheduler) -> int:
         random.setstate(rng["python"])
         np.random.set_state(rng["numpy"])
         get_cuda_rng_tracker().set_states(rng["tracker"])
+        if DYNAMIC is not None and "dynamic" in extra:
+            DYNAMIC.load_state_dict(extra["dynamic"])
     else:
         print0(f" {extra_file} missing (different world size?): RNG and LR schedule start fresh")
         scheduler.step(increment=iteration)
@@ -266,8 +278,11 @@ def main(argv=None):
     hooks = None
     if args.moe_plugin:
         from megamoe_plugin.megatron_adapter.hooks import get_step_hooks
-        from megamoe_plugin.megatron_adapter.metrics import format_layer_metrics, format_placement_metrics
+        from megamoe_plugin.megatron_adapter.metrics import (format_dynamic_metrics, format_layer_metrics,
+                                                             format_placement_metrics)
         hooks = get_step_hooks(args.moe_plugin_config, args.num_layers)
+        global DYNAMIC
+        DYNAMIC = hooks.setup(model, positions=args.seq_length)     # DynaMoE runtime, before the first forward
 
     start = load_checkpoint(args, model, optimizer, scheduler) if args.load else 0
     if hooks is not None:
@@ -279,7 +294,8 @@ def main(argv=None):
                                                              eval_samples, eval_samples), args.seed,
                                            args.mock_data, raw_vocab, args.data_cache_path, args.corpus_bytes,
                                            dist.get_rank())
-    train_iter = batches(train_ds, start, n_micro, args.micro_batch_size, dp_rank, dp)
+    train_iter = batches(train_ds, start, n_micro, args.micro_batch_size, dp_rank, dp,
+                         epoch_samples=args.epoch_samples)
     writer = None
     if args.tensorboard_dir and dist.get_rank() == dist.get_world_size() - 1:
         from torch.utils.tensorboard import SummaryWriter
@@ -320,8 +336,9 @@ def main(argv=None):
             moe = ""
             if hooks is not None:
                 moe = " | " + format_layer_metrics(hooks.log_metrics(iteration, writer))
-                placement = format_placement_metrics(hooks.placement_metrics())
-                moe += " | " + placement if placement else ""
+                for text in (format_placement_metrics(hooks.placement_metrics()),
+                             format_dynamic_metrics(hooks.dynamic_metrics())):
+                    moe += " | " + text if text else ""
             aux_text = "".join(f" | {k} {v / window:.4f}" for k, v in aux_window.items())
             ms = (time.time() - t0) * 1000 / window
             tokens = args.global_batch_size * args.seq_length * window / (time.time() - t0)

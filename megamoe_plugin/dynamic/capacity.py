@@ -6,7 +6,8 @@ Dynamic capacity sizes each expert's buffer from what the gate actually sends it
 between steps, through RECOMPILE (``recompile.py``), so the shapes stay static within a step.
 
 * ``CapacityMeter`` (one per layer, on the hot path's side): per call, the gate's pre-capacity demand per expert
-  (``Routing.demand``, device tensor, no sync) is max-accumulated; dropped assignments, assignments and buffer rows
+  (``Routing.demand``, device tensor, no sync) is max-accumulated; assignments cut by the capacity (demand - kept;
+  GShard's random routing of second choices is not a capacity drop), assignments and buffer rows
   (host ints: the capacities are host lists) are summed. ``take()`` hands the step's values over and resets.
 * ``DynamicCapacityPolicy`` (runs in the RECOMPILE trigger, off the training thread): per layer, a moving average
   of the demand (weight ``capacity_smoothing`` on the past); target capacity = average x (1 + headroom), rounded up
@@ -49,7 +50,7 @@ class CapacityMeter:
             return
         d = routing.demand.detach()
         self.demand = d.clone() if self.demand is None else torch.maximum(self.demand, d)
-        dr = routing.dropped.detach()
+        dr = (d.sum() - routing.counts.detach().sum()).to(torch.float64)   # cut by capacity (not by random routing)
         self.dropped = dr.clone() if self.dropped is None else self.dropped + dr
         T, k = routing.expert_ids.shape
         self.assignments += T * k

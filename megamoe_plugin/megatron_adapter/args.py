@@ -192,6 +192,13 @@ def validate_moe_plugin_args(args) -> Optional[MoEConfig]:
         raise ConfigError(f"megamoe-plugin: --tensor-model-parallel-size={tp} with --moe-plugin needs "
                           "--sequence-parallel (each tensor-parallel rank routes its own sequence shard)")
     cfg = config_from_megatron(args)
+    if cfg.assignment_cache and tp > 1:
+        raise ConfigError(f"megamoe-plugin: --moe-plugin-assignment-cache with --tensor-model-parallel-size={tp}: "
+                          "sequence-parallel MoE layers see a shard of each sample's tokens, which the cache's "
+                          "(sample, position) keys do not describe; use TP=1 or no cache")
+    if cfg.assignment_cache and _get(args, "moe_layer_recompute", default=False):
+        raise ConfigError("megamoe-plugin: --moe-plugin-assignment-cache with --moe-layer-recompute: the recomputed "
+                          "forward would refresh the cache twice; drop one of the two")
     if _get(args, "use_distributed_optimizer", default=False):
         # the placement runtime moves an expert's rows of the Adam moments and fp32 master weights (placement/
         # runtime.py); the distributed optimizer keeps them flattened and sharded over data-parallel ranks

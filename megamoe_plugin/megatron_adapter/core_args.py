@@ -97,6 +97,10 @@ def add_megatron_core_args(p: argparse.ArgumentParser) -> argparse.ArgumentParse
     g.add_argument("--data-cache-path", default=os.path.join(os.path.expanduser("~"), ".cache", "megamoe"),
                    help="where the embedded corpus is written as Megatron indexed datasets")
     g.add_argument("--corpus-bytes", type=int, default=4_000_000, help="size of the embedded corpus")
+    g.add_argument("--epoch-samples", type=int, default=0,
+                   help="train on the first N samples of the train split, read again in the same order every "
+                        "epoch (sample index = position in them; what --moe-plugin-assignment-cache keys by); "
+                        "0 = the whole split")
     g.add_argument("--save", default=None)
     g.add_argument("--load", default=None)
     g.add_argument("--save-interval", type=int, default=0)

@@ -93,16 +93,21 @@ def build_datasets(seq_length: int, num_samples: tuple, seed: int, mock: bool, v
 
 
 def batches(dataset, start_iteration: int, num_microbatches: int, micro_batch_size: int, dp_rank: int,
-            dp_size: int, eval_offset: Optional[int] = None) -> Iterator[dict]:
-    """Micro-batches of this data-parallel rank, in order, from ``start_iteration`` on (forever, wrapping)."""
+            dp_size: int, eval_offset: Optional[int] = None, epoch_samples: int = 0) -> Iterator[dict]:
+    """Micro-batches of this data-parallel rank, in order, from ``start_iteration`` on (forever, wrapping after
+    ``epoch_samples`` samples, default the whole dataset). Each batch also carries ``sample_ids`` (the samples'
+    dataset indices, what DynaMoE's assignment cache keys by) and ``epoch`` (1-based)."""
     global_batch = num_microbatches * micro_batch_size * dp_size
     it = start_iteration
-    n = len(dataset)
+    n = min(epoch_samples, len(dataset)) if epoch_samples else len(dataset)
     while True:
         for m in range(num_microbatches):
             first = it * global_batch + m * dp_size * micro_batch_size + dp_rank * micro_batch_size
-            items = [dataset[(first + i) % n] for i in range(micro_batch_size)]
+            ids = [(first + i) % n for i in range(micro_batch_size)]
+            items = [dataset[i] for i in ids]
             batch = {k: torch.stack([torch.as_tensor(x[k]) for x in items])
                      for k in ("tokens", "labels", "loss_mask", "position_ids")}
+            batch["sample_ids"] = torch.tensor(ids)
+            batch["epoch"] = first // n + 1
             yield batch
         it += 1

@@ -18,6 +18,14 @@ between steps (placement/). Two things Megatron does not know about replicas are
 * metrics: the policy's ``metrics`` (placement/policies.py) go to the tensorboard / wandb writers as
   ``moe_placement/<key>`` at log intervals (``log_metrics``) and into one short progress-line fragment
   (``metrics.format_placement_metrics``).
+
+DynaMoE (``--moe-plugin-capacity-policy dynamic``, ``--moe-plugin-assignment-cache``, paper 000): one
+``dynamic.DynamicRuntime`` over the model's plugin layers (by global layer number), made by ``setup(model)``
+before the first forward (the example trainer calls it; otherwise the first ``after_step`` does) and stepped in
+``after_step``: RECOMPILE's trigger thread decides new per-expert capacities / caching on or off from the
+job-wide metrics, applied Δ_launch steps later. Its metrics go to the writers as ``moe_dynamic/<key>`` and into
+the progress line (``metrics.format_dynamic_metrics``). The trainer's data pipeline gives the assignment cache
+each micro-batch's sample indices (``dynamic.cache.set_batch``; layout "sb": Megatron's [S, B, H]).
 """
 from __future__ import annotations
 
@@ -31,7 +39,8 @@ from ..config import MoEConfig
 from ..placement import AfterStepHook
 from ..stats import TraceRecorder
 from .layer import PluginMoELayer, plugin_stats
-from .metrics import collect_layer_metrics, write_layer_metrics, write_placement_metrics
+from ..dynamic.runtime import DynamicRuntime, dynamic_enabled
+from .metrics import collect_layer_metrics, write_dynamic_metrics, write_layer_metrics, write_placement_metrics
 
 
 def plugin_layers(model) -> List[PluginMoELayer]:
@@ -44,6 +53,7 @@ class PluginStepHooks:
     def __init__(self, cfg: MoEConfig, num_layers: int, policy=None):
         self.cfg, self.num_layers = cfg, num_layers
         self.after = AfterStepHook(cfg, policy)
+        self.dynamic: Optional[DynamicRuntime] = None
         self.trace: Optional[TraceRecorder] = None
         if cfg.trace_path:          # routing of training forwards (grad enabled), under the coming iteration
             rank = dist.get_rank() if dist.is_initialized() else 0
@@ -62,13 +72,36 @@ class PluginStepHooks:
         if self.trace is not None:
             self.trace.next_step(iteration)
 
+    def setup(self, model, positions: int = 0) -> Optional[DynamicRuntime]:
+        """Make the DynaMoE runtime over the model's plugin layers (collective, idempotent; None when neither
+        dynamic capacity nor the assignment cache is on). `positions`: the sequence length, the assignment
+        cache's positions per sample when --moe-plugin-assignment-cache-positions is 0."""
+        if self.dynamic is None and dynamic_enabled(self.cfg):
+            cfg = self.cfg
+            if cfg.assignment_cache and not cfg.assignment_cache_positions:
+                if not positions:
+                    raise ValueError("megamoe-plugin: --moe-plugin-assignment-cache needs the sequence length: "
+                                     "pass --moe-plugin-assignment-cache-positions")
+                cfg = cfg.replace(assignment_cache_positions=positions)
+            layers = {int(m.layer_number or 0): m for m in plugin_layers(model)}
+            self.dynamic = DynamicRuntime(cfg, layers)
+        return self.dynamic
+
     def after_step(self, model, optimizer, iteration: int, **extra) -> bool:
         """Call on every rank after a successful ``optimizer.step()``; ``iteration`` = steps done so far."""
         self.start_iteration(iteration + 1)
         layers = plugin_layers(model)
         if self.after.policy is not None:
             weight_replica_grad_norm(layers, optimizer)      # before any replica exists (idempotent)
-        return self.after.run(model, optimizer, iteration, moe_layers=layers, **extra)
+        ran = self.after.run(model, optimizer, iteration, moe_layers=layers, **extra)
+        if dynamic_enabled(self.cfg):
+            self.setup(model)
+            ran = self.dynamic.after_step(iteration) or ran
+        return ran
+
+    def dynamic_metrics(self) -> Dict[str, float]:
+        """DynaMoE metrics (average capacity factor, dropped fraction, recompilations, caching) or {}."""
+        return self.dynamic.metrics() if self.dynamic is not None else {}
 
     def placement_metrics(self) -> Dict[str, float]:
         """The placement policy's metrics of its last run (this rank's view; {} without a policy or a run), plus
@@ -88,6 +121,7 @@ class PluginStepHooks:
         metrics = collect_layer_metrics(self.num_layers, self.cfg.num_experts, self.cfg.expert_parallel_size)
         write_layer_metrics(metrics, iteration, writer, wandb_writer)
         write_placement_metrics(self.placement_metrics(), iteration, writer, wandb_writer)
+        write_dynamic_metrics(self.dynamic_metrics(), iteration, writer, wandb_writer)
         return metrics
 
 

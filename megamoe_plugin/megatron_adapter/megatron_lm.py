@@ -100,7 +100,12 @@ def _wrap_validate_args(validate_args: Callable) -> Callable:
             if not torch.cuda.is_available() and getattr(args, "distributed_backend", "gloo") == "nccl":
                 raise ConfigError("--distributed-backend=nccl: this torch has no CUDA; use --distributed-backend "
                                   "gloo (the megamoe-plugin CPU shims are installed)")
-            validate_moe_plugin_args(args)
+            cfg = validate_moe_plugin_args(args)
+            if cfg is not None and cfg.assignment_cache:
+                raise ConfigError("megamoe-plugin: --moe-plugin-assignment-cache in pretrain_gpt.py: Megatron-LM's "
+                                  "GPT batches carry no sample index to key the cache by (its multi-epoch "
+                                  "GPTDataset also re-cuts samples every epoch); use the megatron-core example "
+                                  "trainer (examples/megatron/pretrain_moe_gpt.py) or fairseq for it")
         except ConfigError as e:
             # Like argparse: one line on stderr (rank 0), exit status 2, before any model is built.
             if int(os.environ.get("RANK", "0")) == 0:
@@ -128,12 +133,13 @@ def after_train_step(args, model, optimizer, iteration: int) -> None:
     log_interval = getattr(args, "log_interval", 0) or 0
     if log_interval > 0 and iteration % log_interval == 0:
         from megatron.training.global_vars import get_tensorboard_writer, get_wandb_writer
-        from .metrics import format_layer_metrics, format_placement_metrics
+        from .metrics import format_dynamic_metrics, format_layer_metrics, format_placement_metrics
         metrics = hooks.log_metrics(iteration, get_tensorboard_writer(), get_wandb_writer())
-        placement = format_placement_metrics(hooks.placement_metrics())
+        extra = [t for t in (format_placement_metrics(hooks.placement_metrics()),
+                             format_dynamic_metrics(hooks.dynamic_metrics())) if t]
         if _rank() == 0 and metrics:
             print(f"[megamoe-plugin] iteration {iteration:8d} | {format_layer_metrics(metrics)}"
-                  f"{' | ' + placement if placement else ''}", flush=True)
+                  f"{''.join(' | ' + t for t in extra)}", flush=True)
 
 
 def _wrap_train_step(train_step: Callable) -> Callable:

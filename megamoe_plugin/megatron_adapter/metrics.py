@@ -85,3 +85,27 @@ def format_placement_metrics(metrics: Dict[str, float]) -> str:
     moves = metrics.get("moves_total", metrics.get("moves", 0.0))
     return (f"placement moves {int(moves)} replicas {int(metrics.get('replicas', 0))} "
             f"shadowed {int(metrics.get('shadowed', 0))} balance {metrics.get('balance_ratio', 1.0):.2f}")
+
+
+def write_dynamic_metrics(metrics: Dict[str, float], iteration: int, writer=None, wandb_writer=None) -> None:
+    """DynaMoE's metrics (``PluginStepHooks.dynamic_metrics``) as ``moe_dynamic/<key>``."""
+    scalars = {f"moe_dynamic/{k}": float(v) for k, v in metrics.items()}
+    if writer is not None:
+        for k, v in scalars.items():
+            writer.add_scalar(k, v, iteration)
+    if wandb_writer is not None and scalars:
+        wandb_writer.log(scalars, iteration)
+
+
+def format_dynamic_metrics(metrics: Dict[str, float]) -> str:
+    """Progress-line fragment: average capacity factor, dropped fraction, recompilations, caching ('' if none)."""
+    parts = []
+    if "avg_capacity_factor" in metrics:
+        parts.append(f"cf {metrics['avg_capacity_factor']:.2f} drop {metrics.get('dropped_fraction', 0.0):.3f}")
+    if "recompilations" in metrics:
+        parts.append(f"recompiles {int(metrics['recompilations'])}")
+    if "cache_on" in metrics:
+        stable = metrics.get("cache_stable_fraction")
+        parts.append(f"cache {'on' if metrics['cache_on'] else 'off'}"
+                     + (f" kept {stable:.3f}" if stable is not None else ""))
+    return " ".join(parts)
