@@ -10,7 +10,8 @@ between steps, through RECOMPILE (``recompile.py``), so the shapes stay static w
   GShard's random routing of second choices is not a capacity drop), assignments and buffer rows
   (host ints: the capacities are host lists) are summed. ``take()`` hands the step's values over and resets.
 * ``DynamicCapacityPolicy`` (runs in the RECOMPILE trigger, off the training thread): per layer, a moving average
-  of the demand (weight ``capacity_smoothing`` on the past); target capacity = average x (1 + headroom), rounded up
+  of the demand (weight ``capacity_smoothing`` on the past); target capacity = max(average, this step's demand) x
+  (1 + headroom), rounded up
   to a multiple of ``capacity_quantum`` and at least ``min_capacity``. Hysteresis: it recompiles only when some
   expert's smoothed demand exceeds its capacity (it would drop on average) or some capacity exceeds its target by
   more than ``capacity_hysteresis`` (padding waste); a recompilation sets every expert of the layer to its target.
@@ -107,7 +108,7 @@ class DynamicCapacityPolicy:
         avg = self.average.get(layer)
         avg = demand.clone() if avg is None else self.smoothing * avg + (1.0 - self.smoothing) * demand
         self.average[layer] = avg
-        target = self.target(avg)
+        target = self.target(torch.maximum(avg, demand))     # never below what this step needed
         current = self.capacity.get(layer)
         if current is not None:
             short = any(float(a) > c for a, c in zip(avg, current))
