@@ -92,8 +92,8 @@ class PluginRouter(MegatronModule):
     def set_layer_number(self, layer_number: int) -> None:
         self.layer_number = layer_number
 
-    def forward(self, tokens: torch.Tensor, capacity=None) -> Routing:
-        return self.gate(tokens, capacity=capacity)
+    def forward(self, tokens: torch.Tensor, capacity=None, assigned=None) -> Routing:
+        return self.gate(tokens, capacity=capacity, assigned=assigned)
 
 
 class PluginExperts(MegatronModule):
@@ -284,7 +284,7 @@ class PluginMoELayer(MegatronMoELayer):
     def _routed(self, hidden_states: torch.Tensor) -> torch.Tensor:
         tokens = hidden_states.reshape(-1, hidden_states.shape[-1])
         # the gate call (and, with DynaMoE's assignment cache on, cached assignments): DispatchPlan.route
-        routing, capacity, keys = self.plan.route(self.router.gate, tokens, self.training,
+        routing, capacity, keys = self.plan.route(self.router, tokens, self.training,
                                                   tuple(hidden_states.shape[:-1]))
         if self.plan.uses_smart(capacity):      # FasterMoE smart schedule: dispatch + experts + combine pipelined
             if self.training:
