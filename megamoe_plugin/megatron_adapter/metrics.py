@@ -67,14 +67,18 @@ def format_layer_metrics(metrics: Dict[int, dict]) -> str:
                       for layer, m in sorted(metrics.items()))
 
 
-def write_placement_metrics(metrics: Dict[str, float], iteration: int, writer=None, wandb_writer=None) -> None:
-    """The placement policy's metrics (``PluginStepHooks.placement_metrics``) as ``moe_placement/<key>``."""
-    scalars = {f"moe_placement/{k}": float(v) for k, v in metrics.items()}
+def _write_scalars(prefix: str, metrics: Dict[str, float], iteration: int, writer=None, wandb_writer=None) -> None:
+    scalars = {f"{prefix}/{k}": float(v) for k, v in metrics.items()}
     if writer is not None:
         for k, v in scalars.items():
             writer.add_scalar(k, v, iteration)
     if wandb_writer is not None and scalars:
         wandb_writer.log(scalars, iteration)
+
+
+def write_placement_metrics(metrics: Dict[str, float], iteration: int, writer=None, wandb_writer=None) -> None:
+    """The placement policy's metrics (``PluginStepHooks.placement_metrics``) as ``moe_placement/<key>``."""
+    _write_scalars("moe_placement", metrics, iteration, writer, wandb_writer)
 
 
 def format_placement_metrics(metrics: Dict[str, float]) -> str:
@@ -89,12 +93,7 @@ def format_placement_metrics(metrics: Dict[str, float]) -> str:
 
 def write_dynamic_metrics(metrics: Dict[str, float], iteration: int, writer=None, wandb_writer=None) -> None:
     """DynaMoE's metrics (``PluginStepHooks.dynamic_metrics``) as ``moe_dynamic/<key>``."""
-    scalars = {f"moe_dynamic/{k}": float(v) for k, v in metrics.items()}
-    if writer is not None:
-        for k, v in scalars.items():
-            writer.add_scalar(k, v, iteration)
-    if wandb_writer is not None and scalars:
-        wandb_writer.log(scalars, iteration)
+    _write_scalars("moe_dynamic", metrics, iteration, writer, wandb_writer)
 
 
 def format_dynamic_metrics(metrics: Dict[str, float]) -> str:
