@@ -15,6 +15,12 @@ unless the model has plugin MoE layers (``model.moe_config``), so other models t
   gathered onto rank 0 before it writes; spare vExpert slots are not saved), and loading puts them into this
   rank's slots under its current placement, so nothing is lost and a checkpoint loads at any expert-parallel size
   (1 for fairseq-generate/eval-lm) and any spare-slot count.
+- DynaMoE (``--moe-capacity-policy dynamic``, ``--moe-assignment-cache``; ``dynamic.py``): one
+  ``DynamicRuntime`` per trainer, built in ``Trainer.__init__``; ``Trainer.begin_epoch`` records the epoch; in
+  ``Trainer.train_step`` every training forward gets its samples' cache keys (``task.train_step`` is wrapped for
+  the update), and after every successful update RECOMPILE's step runs on every rank and its metrics go into the
+  logs as ``moe_dyn_<name>``; checkpoints hold every rank's capacities, pending decisions and cache
+  (``extra_state["megamoe_dynamic"]``) and a resumed run restores them.
 - torch >= 2.6 compatibility that fairseq itself lacks: the checkpoint broadcast of a distributed resume
   (``distributed.utils._broadcast_object_slow``) and ``argparse.Namespace`` configs in checkpoints.
 """
@@ -33,6 +39,8 @@ from ..placement.checkpoint import logical_from_gathered
 from ..stats import TraceRecorder
 from . import distributed as moe_dist
 from .args import check_trainer_settings
+from .dynamic import STATE_KEY as _DYNAMIC_KEY
+from .dynamic import FairseqDynamic
 from .layers import FairseqMoEFFN, gather_experts, moe_ffns, release_gathered
 
 # policy metrics that add up over the runs of a log interval (the others: mean over the runs, or the last value)
@@ -180,9 +188,13 @@ class TrainingTrace:
 
 
 # --- wrappers ------------------------------------------------------------------------------------------------------
+def _dynamic(trainer) -> Optional[FairseqDynamic]:
+    return getattr(trainer, "_megamoe_dynamic", None)
+
+
 def _wrap_trainer(Trainer) -> None:
-    init, train_step, state_dict, load_checkpoint = (Trainer.__init__, Trainer.train_step, Trainer.state_dict,
-                                                    Trainer.load_checkpoint)
+    init, train_step, state_dict, load_checkpoint, begin_epoch = (
+        Trainer.__init__, Trainer.train_step, Trainer.state_dict, Trainer.load_checkpoint, Trainer.begin_epoch)
 
     @functools.wraps(init)
     def __init__(self, cfg, *args, **kwargs):
@@ -190,8 +202,16 @@ def _wrap_trainer(Trainer) -> None:
         moe = _moe_config(self)
         if moe is not None:
             check_trainer_settings(cfg, moe)
+            self._megamoe_dynamic = FairseqDynamic.create(self, moe)
             self._megamoe_hook = AfterStepHook(moe)
             self._megamoe_trace = TrainingTrace(_raw_model(self), moe) if moe.trace_path else None
+
+    @functools.wraps(begin_epoch)
+    def wrapped_begin_epoch(self, epoch, *args, **kwargs):
+        dyn = _dynamic(self)
+        if dyn is not None:
+            dyn.begin_epoch(epoch)
+        return begin_epoch(self, epoch, *args, **kwargs)
 
     @functools.wraps(train_step)
     def wrapped_train_step(self, samples, *args, **kwargs):
@@ -203,11 +223,18 @@ def _wrap_trainer(Trainer) -> None:
         if trace is not None:
             trace.recorder.next_step(before + 1)
             trace.recording = True
+        dyn = _dynamic(self)
+        undo = dyn.intercept(self.task) if dyn is not None else None
         try:
             out = train_step(self, samples, *args, **kwargs)
         finally:
             if trace is not None:
                 trace.recording = False
+            if undo is not None:
+                undo()
+                dyn.clear_batch()           # validation forwards must not key into training samples
+        if dyn is not None and self.get_num_updates() > before:
+            dyn.after_update(self.get_num_updates())       # every rank, every update: two all-reduces
         hook = getattr(self, "_megamoe_hook", None)
         if hook is not None and self.get_num_updates() > before:
             if hook.run(_raw_model(self), self.optimizer, self.get_num_updates(), trainer=self):
@@ -222,6 +249,9 @@ def _wrap_trainer(Trainer) -> None:
         if full and isinstance(opt_state, dict):
             for idx, tensors in full.items():    # a new dict: torch's state_dict shares the live state's dicts
                 opt_state["state"][idx] = {**opt_state["state"][idx], **tensors}
+        dyn = _dynamic(self)
+        if dyn is not None and isinstance(sd.get("extra_state"), dict):
+            sd["extra_state"][_DYNAMIC_KEY] = dyn.checkpoint_state(getattr(self, "_megamoe_dynamic_full", None))
         return sd
 
     @functools.wraps(load_checkpoint)
@@ -231,12 +261,21 @@ def _wrap_trainer(Trainer) -> None:
         extra = load_checkpoint(self, *args, **kwargs)
         if moe and getattr(self, "_optimizer", None) is not None:
             slice_expert_optimizer_state(self, before)
+        dyn = _dynamic(self)
+        if dyn is not None and isinstance(extra, dict) and extra.get(_DYNAMIC_KEY):
+            ck = self.cfg.checkpoint
+            filename = args[0] if args else kwargs.get("filename")
+            # a restarted data order or another run's data (--finetune-from-model's first load): the cache's
+            # sample indices may mean other samples; the capacities stay
+            fresh = bool(ck.reset_dataloader) or (bool(ck.finetune_from_model) and filename == ck.finetune_from_model)
+            dyn.load(extra[_DYNAMIC_KEY], reset_cache=fresh)
         return extra
 
     Trainer.__init__ = __init__
     Trainer.train_step = wrapped_train_step
     Trainer.state_dict = wrapped_state_dict
     Trainer.load_checkpoint = wrapped_load_checkpoint
+    Trainer.begin_epoch = wrapped_begin_epoch
 
 
 def _wrap_save(checkpoint_utils) -> None:
@@ -253,12 +292,16 @@ def _wrap_save(checkpoint_utils) -> None:
         trace = getattr(trainer, "_megamoe_trace", None)
         if trace is not None:
             trace.recorder.flush()
+        dyn = _dynamic(trainer)
+        if dyn is not None and not cfg.no_save:
+            trainer._megamoe_dynamic_full = dyn.gather_states()     # every rank's capacities and cache, on rank 0
         try:
             return save(cfg, trainer, epoch_itr, val_loss)
         finally:
             if by_logical_id:
                 release_gathered(_raw_model(trainer))
                 trainer._megamoe_optimizer_full = None
+            trainer._megamoe_dynamic_full = None
 
     checkpoint_utils.save_checkpoint = save_checkpoint
 
