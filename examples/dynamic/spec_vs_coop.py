@@ -12,7 +12,8 @@ Next-byte prediction on the project's embedded corpus (Python standard-library s
   specification loss over all leaves, and with inner cooperation / outer specification (Figure 11's mixed losses).
 
 Every run is scored the same way on the validation split: the NLL of the aggregate (the mixture sum_i g_i O_i) and
-its accuracy.  Run: ``python examples/dynamic/spec_vs_coop.py`` (defaults finish in a few minutes on 2 cores).
+its accuracy.  Run: ``python examples/dynamic/spec_vs_coop.py`` (the defaults take about 2 minutes on 2 cores, under
+3 on a busy one).
 """
 from __future__ import annotations
 
@@ -135,8 +136,9 @@ HEADERS = {"run": "run", "gate": "gate", "loss": "loss", "preds": "preds/tok", "
 def format_table(rows: Sequence[Dict], args) -> str:
     cells = [[HEADERS[c] for c, _ in COLUMNS]] + [[f.format(r[c]) for c, f in COLUMNS] for r in rows]
     widths = [max(len(row[i]) for row in cells) for i in range(len(COLUMNS))]
+    threads = f"{args.threads} thread{'s' if args.threads > 1 else ''}"
     lines = [f"Specification vs cooperation loss (DynaMoE Fig. 7 at small scale), measured here on CPU "
-             f"({torch.get_num_threads()} threads): next-byte prediction, steps={args.steps} batch={args.batch} "
+             f"({threads}): next-byte prediction, steps={args.steps} batch={args.batch} "
              f"context={args.context} seed={args.seed}, validation on {args.eval_tokens} bytes"]
     for i, row in enumerate(cells):
         lines.append("  ".join(v.ljust(w) for v, w in zip(row, widths)).rstrip())
@@ -147,7 +149,7 @@ def format_table(rows: Sequence[Dict], args) -> str:
 
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--steps", type=int, default=2000, help="optimizer steps per run")
+    ap.add_argument("--steps", type=int, default=1500, help="optimizer steps per run")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--experts", type=int, default=8, help="experts of the flat runs (hierarchical: 2 x experts/2)")
     ap.add_argument("--top-k", type=int, default=2, help="experts per token (flat) / per inner MoE (hierarchical)")
@@ -159,8 +161,11 @@ def parse_args(argv=None):
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--max-bytes", type=int, default=2_000_000, help="corpus size cap (all splits)")
     ap.add_argument("--eval-tokens", type=int, default=20_000)
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch intra-op threads (1: these small matmuls gain nothing from more, and 2 threads on a "
+                         "busy 2-core machine ran 5-40x slower here)")
     args = ap.parse_args(argv)
-    for name in ("steps", "experts", "top_k", "batch", "context", "eval_tokens"):
+    for name in ("steps", "experts", "top_k", "batch", "context", "eval_tokens", "threads"):
         if getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')}={getattr(args, name)}: must be >= 1")
     if args.top_k > args.experts // 2:
@@ -171,6 +176,15 @@ def parse_args(argv=None):
 
 def main(argv=None) -> List[Dict]:
     args = parse_args(argv)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(args.threads)
+    try:
+        return _run(args)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _run(args) -> List[Dict]:
     corpus = build_corpus(max_bytes=args.max_bytes, seed=args.seed)
     train, valid = corpus.train, corpus.valid
     n_eval = min(args.eval_tokens, valid.numel() - args.context)
