@@ -75,7 +75,7 @@ class AssignmentCache:
         compare = compare[:, None].expand(-1, seq_len)
         if layout == "sb":
             keys, compare = keys.t(), compare.t()
-        self._batch = (keys.contiguous(), compare.contiguous(), tuple(keys.shape), cached)
+        self._batch = (keys.contiguous(), compare.contiguous(), tuple(keys.shape), cached)   # host until first use
 
     def clear_batch(self) -> None:
         self._batch = None
@@ -89,7 +89,10 @@ class AssignmentCache:
         keys, compare, bshape, cached = self._batch
         if tuple(shape) != bshape:
             return None
-        return keys.reshape(-1).to(device, non_blocking=True), compare.reshape(-1).to(device, non_blocking=True), cached
+        if keys.device != torch.device(device):      # one copy per batch, shared by every layer's call
+            keys, compare = keys.to(device, non_blocking=True), compare.to(device, non_blocking=True)
+            self._batch = (keys, compare, bshape, cached)
+        return keys.reshape(-1), compare.reshape(-1), cached
 
     def lookup(self, layer: int, keys: torch.Tensor) -> torch.Tensor:
         return self.tables[layer][keys].long()
