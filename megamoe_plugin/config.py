@@ -32,6 +32,7 @@ SECOND_EXPERT_POLICIES = ("all", "random")
 SCHEDULES = ("plain", "smart")
 CAPACITY_POLICIES = ("static", "dynamic")
 EXPERT_GRAPHS = ("none", "compile", "cuda-graph")
+EXPERT_CACHE_POLICIES = ("lifo", "fifo", "lru", "lfu")
 
 
 @dataclass
@@ -116,6 +117,9 @@ class MoEConfig:
                                             "(bounds the number of recompilations).")
     capacity_quantum: int = _opt(8, "dynamic capacity: capacities are rounded up to a multiple of this (fewer "
                                     "distinct shapes; GEMM-friendly sizes).")
+    capacity_min_interval: int = _opt(10, "dynamic capacity: at least this many steps between two recompilations "
+                                          "of a layer that only shrink capacities (growing an expert that drops "
+                                          "tokens on average is never delayed).")
     recompile_delta_launch: int = _opt(1, "RECOMPILE Δ_launch: a decision computed from a step's metrics takes effect "
                                           "this many steps later (the trigger runs off the training thread "
                                           "meanwhile); 0 = apply before the next step (the loop waits).")
@@ -133,6 +137,16 @@ class MoEConfig:
     assignment_cache_min_epoch: int = _opt(10, "assignment cache: never switch caching on before this epoch.")
     assignment_cache_positions: int = _opt(0, "assignment cache: positions per sample (the sequence length); 0 = "
                                               "the trainer's sequence length / max positions.")
+    # --- inference deployment (paper 004: expert buffering, expert load balancing) ---------------------------------
+    expert_cache_size: int = _opt(0, "Inference, expert buffering (paper 004 §VI): expert slots per device; every "
+                                     "expert's weights live in (pinned) CPU memory and the active ones are copied "
+                                     "into the slots per batch; 0 = off (all local experts stay on the device).")
+    expert_cache_policy: str = _opt("lifo", "Expert buffering: which cached expert to evict first once the experts "
+                                            "inactive in the batch are gone: lifo (paper 004) | fifo | lru | lfu.",
+                                    EXPERT_CACHE_POLICIES)
+    placement_file: str = _opt("", "Inference, expert load balancing (paper 004 §VII): a JSON placement written by "
+                                   "`megamoe balance` (per layer, which expert goes to which slot); applied as an "
+                                   "expert permutation when the checkpoint is loaded, outputs unchanged.")
     # --- observability -------------------------------------------------------------------------------------------
     trace_path: str = _opt("", "Write routing traces (per layer and step [source rank x expert] counts) here.")
     trace_token_ids: bool = _opt(False, "Also record every token's expert ids in the trace (larger files).")
@@ -246,6 +260,14 @@ class MoEConfig:
             bad("capacity_hysteresis", "must be >= 0")
         if self.capacity_quantum < 1:
             bad("capacity_quantum", "must be >= 1")
+        if self.capacity_min_interval < 1:
+            bad("capacity_min_interval", "must be >= 1")
+        if self.expert_cache_size < 0:
+            bad("expert_cache_size", "must be >= 0 (0 = expert buffering off)")
+        if self.expert_cache_policy not in EXPERT_CACHE_POLICIES:
+            bad("expert_cache_policy", f"must be one of {', '.join(EXPERT_CACHE_POLICIES)}")
+        if self.placement_file and not os.path.isfile(self.placement_file):
+            bad("placement_file", "no such file (write one with `megamoe balance`)")
         if self.recompile_delta_launch < 0:
             bad("recompile_delta_launch", "must be >= 0")
         for name in ("assignment_cache_on", "assignment_cache_off"):
