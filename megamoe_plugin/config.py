@@ -109,12 +109,13 @@ class MoEConfig:
     capacity_policy: str = _opt("static", "capacity mode: static (every expert's capacity from the capacity factor) "
                                           "or dynamic (DynaMoE §4.1: each expert's capacity follows its observed "
                                           "demand, changed between steps by RECOMPILE).", CAPACITY_POLICIES)
-    capacity_headroom: float = _opt(0.2, "dynamic capacity: capacity = smoothed per-expert demand x (1 + headroom).")
+    capacity_headroom: float = _opt(0.2, "dynamic capacity: capacity = smoothed per-expert demand + max(headroom x "
+                                         "that demand, 2 x its smoothed standard deviation).")
     capacity_smoothing: float = _opt(0.7, "dynamic capacity: weight of the past in the moving average of each "
                                           "expert's demand (0 = the last step only).")
-    capacity_hysteresis: float = _opt(0.25, "dynamic capacity: recompile when an expert's smoothed demand exceeds its "
-                                            "capacity, or its capacity exceeds the target by more than this fraction "
-                                            "(bounds the number of recompilations).")
+    capacity_hysteresis: float = _opt(0.25, "dynamic capacity: shrink a layer's capacities only when their total exceeds "
+                                            "the targets' total by more than this fraction (experts that drop on "
+                                            "average grow at once); bounds the number of recompilations.")
     capacity_quantum: int = _opt(8, "dynamic capacity: capacities are rounded up to a multiple of this (fewer "
                                     "distinct shapes; GEMM-friendly sizes).")
     capacity_min_interval: int = _opt(10, "dynamic capacity: at least this many steps between two recompilations "

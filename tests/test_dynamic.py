@@ -2,6 +2,7 @@
 
 Real MoELayers, a real optimizer, RECOMPILE's worker thread; the routing is synthetic where the test needs to
 control it (a drifting mixture of token clusters the gate separates exactly)."""
+import io
 import math
 
 import pytest
@@ -73,13 +74,21 @@ def test_dynamic_capacity_beats_static_on_drifting_routing():
     assert 0 < m["avg_capacity_factor"] < worst * E / T and m["recompilations"] == rt.recompilations
 
 
-def test_capacity_policy_hysteresis_bounds_recompilations():
-    pol = DynamicCapacityPolicy(4, headroom=0.1, smoothing=0.0, hysteresis=0.3, quantum=1, min_capacity=1)
+def test_capacity_policy_grows_at_once_and_shrinks_rarely():
+    pol = DynamicCapacityPolicy(4, headroom=0.1, smoothing=0.0, hysteresis=0.3, quantum=1, min_capacity=1,
+                                min_interval=2)
+    # smoothing 0: average = this step's demand, std = |demand - previous average|; target = avg + max(.1 avg, 2 std)
     assert pol.decide(0, torch.tensor([100., 100, 100, 100])) == [110] * 4
-    assert pol.decide(0, torch.tensor([105., 95, 100, 108])) is None          # jitter within the band
-    assert pol.decide(0, torch.tensor([111., 100, 100, 100])) == [123, 110, 110, 110]   # an expert would drop
-    assert pol.decide(0, torch.tensor([60., 100, 100, 100]))[0] == 66           # 123 > 66 * 1.3: padding waste
-    assert pol.decisions == 3
+    assert pol.decide(0, torch.tensor([105., 95, 100, 108])) is None          # jitter within the capacities
+    # expert 0 would drop: only it grows, to 111 + max(11.1, 2 * 6) = 123; the others keep their capacity
+    assert pol.decide(0, torch.tensor([111., 100, 100, 100])) == [123, 110, 110, 110]
+    # padding waste, but 1 step since the last recompilation (< min_interval 2): no change
+    assert pol.decide(0, torch.tensor([10., 100, 100, 100])) is None
+    # still wasteful 2 steps later: 453 rows > 1.3 x (11 + 330); every expert goes to its target
+    assert pol.decide(0, torch.tensor([10., 100, 100, 100])) == [11, 110, 110, 110]
+    # right after a shrink, an expert that would drop still grows at once: 12 + max(1.2, 2 * 2) = 16
+    assert pol.decide(0, torch.tensor([12., 100, 100, 100])) == [16, 110, 110, 110]
+    assert pol.decisions == 4
 
 
 def test_dynamic_config_errors_name_the_flag():
@@ -95,8 +104,9 @@ def test_dynamic_config_errors_name_the_flag():
 
 # --- sample-assignment caching ---------------------------------------------------------------------------------------
 def _lm_layer(**kw):
+    kw = dict(dict(recompile_delta_launch=0), **kw)
     cfg = MoEConfig(num_experts=4, top_k=2, gate="naive", aux_loss_coeff=0.01, assignment_cache=True,
-                    assignment_cache_positions=6, assignment_cache_min_epoch=2, recompile_delta_launch=0, **kw)
+                    assignment_cache_positions=6, assignment_cache_min_epoch=2, **kw)
     torch.manual_seed(0)
     return MoELayer(cfg, H, 32)
 
@@ -173,6 +183,82 @@ def test_outputs_with_cache_equal_cached_assignment_applied_by_hand():
         assert torch.allclose(a, b, atol=1e-6)
     assert g1[1].abs().sum() > 0                               # the gate keeps training under caching
     rt.close()
+
+
+def _schedule(n_samples, batch, epochs):
+    return [(epoch, torch.arange(first, first + batch)) for epoch in range(1, epochs + 1)
+            for first in range(0, n_samples, batch)]
+
+
+def _train(layer, rt, data, schedule, first_step):
+    """One SGD step per (epoch, sample ids); returns the losses."""
+    opt = torch.optim.SGD(layer.parameters(), lr=0.05)
+    losses = []
+    for step, (epoch, ids) in enumerate(schedule, start=first_step):
+        rt.cache.set_batch(ids, data.shape[1], layout="bs", epoch=epoch)
+        shift = 3.0 * math.sin(step) * torch.linspace(-1, 1, H)    # the routing moves: capacities get decided
+        y = layer(data[ids] + shift)
+        loss = y.square().mean() + layer.aux_loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        rt.after_step(step)
+        losses.append(loss.item())
+    return losses
+
+
+def test_runtime_state_round_trip_keeps_pending_decisions_policies_and_cache():
+    kw = dict(dispatch="capacity", capacity_factor=1.0, min_capacity=1, capacity_policy="dynamic",
+              recompile_delta_launch=3, capacity_min_interval=1, capacity_quantum=1, capacity_hysteresis=0.0,
+              capacity_smoothing=0.0, assignment_cache_on=0.0,
+              assignment_cache_off=0.0)
+    layer = _lm_layer(**kw)
+    rt = DynamicRuntime(layer.cfg, {0: layer})
+    data = torch.randn(16, 6, H, generator=torch.Generator().manual_seed(3))
+    plan = _schedule(16, 4, 6)
+    cut = 14                                                       # mid-epoch 4, with decisions in flight
+    _train(layer, rt, data, plan[:cut], 1)
+    buf = io.BytesIO()
+    torch.save({"layer": layer.state_dict(), "dynamic": rt.state_dict()}, buf)
+    saved = torch.load(io.BytesIO(buf.getvalue()), weights_only=True)
+    assert any(d for v in saved["dynamic"]["pending"].values() for _, d in v)        # saved while in flight
+    assert saved["dynamic"]["cache"]["tables"][0].dtype == torch.int32                # gloo-broadcastable
+    assert saved["dynamic"]["cache_policy"]["open"][0] == 4                          # the open epoch's counts
+
+    resumed = _lm_layer(**kw)
+    resumed.load_state_dict(saved["layer"])
+    rt2 = DynamicRuntime(resumed.cfg, {0: resumed})
+    rt2.load_state_dict(saved["dynamic"])
+    assert resumed.expert_capacity == layer.expert_capacity and rt2.cache.cached_calls == rt.cache.cached_calls
+    hist_len = len(rt.recompiler.history)
+    a = _train(layer, rt, data, plan[cut:], cut + 1)
+    b = _train(resumed, rt2, data, plan[cut:], cut + 1)
+    assert a == b                                                  # the resumed run is the same run
+    assert rt2.recompiler.history == rt.recompiler.history[hist_len:]
+    assert any(d and "capacity" in d for _, _, d in rt2.recompiler.history[:3])   # the restored pending ones
+    assert rt2.cache_history() == rt.cache_history() and rt2.cache.active and rt2.cache.cached_calls > 0
+    assert rt2.cache.tables[0].dtype == rt2.cache.dtype and rt2.recompilations == rt.recompilations
+    rt.close()
+    rt2.close()
+
+
+def test_caches_of_several_ranks_merge_by_last_epoch():
+    """A checkpoint loaded at another world size: one cache from the data-parallel ranks' caches."""
+    P = 4
+    a, b = AssignmentCache(1, P, 4), AssignmentCache(1, P, 4)
+    # rank a: samples 0, 1 in epoch 1, sample 1 again in epoch 2; rank b: sample 1 in epoch 1, sample 3 in epoch 2
+    for cache, epoch, ids, expert in ((a, 1, [0, 1], 0), (a, 2, [1], 1), (b, 1, [1], 2), (b, 2, [3], 3)):
+        cache.set_batch(torch.tensor(ids), P, epoch=epoch)
+        keys, compare, _ = cache.token_keys((len(ids), P), "cpu")
+        cache.observe(7, keys, compare, torch.full((keys.numel(), 1), expert))
+    m = AssignmentCache.merge_states([a.state_dict(), b.state_dict()])
+    assert m["last_epoch"].tolist()[:4] == [1, 2, 0, 2] and m["epoch"] == 2
+    t = m["tables"][7].view(-1, P)
+    assert t[0].tolist() == [0] * P and t[1].tolist() == [1] * P and t[3].tolist() == [3] * P
+    assert t[2].tolist() == [-1] * P
+    merged = AssignmentCache(1, P, 4)
+    merged.load_state_dict(m)                                     # a valid cache state
+    assert merged.lookup(7, torch.tensor([1 * P])).tolist() == [[1]]
 
 
 def test_cache_policy_thresholds_and_min_epoch():

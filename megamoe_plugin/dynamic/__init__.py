@@ -2,7 +2,8 @@
 
 - ``recompile``: the RECOMPILE mechanism (§3, Appendix B): triggers run off the training thread, their decisions
   land at a step boundary Δ_launch steps later.
-- ``capacity``: dynamic per-expert capacity factors (§4.1, §5.2): demand meter and moving-average policy.
+- ``capacity``: dynamic per-expert capacity factors (§4.1, §5.2): demand meter; policy: moving average + spread, grow
+  at once, shrink at most every ``capacity_min_interval`` steps.
 - ``assignment_cache``: sample-assignment caching (§4.2, §5.3) and its on/off policy.
 - ``static_graph``: torch.compile / CUDA-graph expert graphs re-built when the capacities change.
 - ``runtime``: ``DynamicRuntime``, one per model, what the adapters call after each optimizer step.
@@ -10,9 +11,12 @@
 """
 from .assignment_cache import AssignmentCache, CachePolicy
 from .capacity import CapacityMeter, DynamicCapacityPolicy
+from .predictors import (LOSS_KINDS, PredictorMoE, cooperation_loss, hierarchical, moe_predictor_loss,
+                         specification_loss)
 from .recompile import Recompiler
-from .runtime import DynamicRuntime, dynamic_enabled
+from .runtime import DynamicRuntime, dynamic_enabled, format_metrics
 from .static_graph import StaticExpertGraph
 
 __all__ = ["AssignmentCache", "CachePolicy", "CapacityMeter", "DynamicCapacityPolicy", "DynamicRuntime",
-           "Recompiler", "StaticExpertGraph", "dynamic_enabled"]
+           "Recompiler", "StaticExpertGraph", "dynamic_enabled", "format_metrics", "LOSS_KINDS", "PredictorMoE",
+           "cooperation_loss", "hierarchical", "moe_predictor_loss", "specification_loss"]

@@ -95,7 +95,7 @@ class AssignmentCache:
         return keys.reshape(-1), compare.reshape(-1), cached
 
     def lookup(self, layer: int, keys: torch.Tensor) -> torch.Tensor:
-        return self.tables[layer][keys].long()
+        return self._on(layer, keys.device)[keys].long()
 
     def observe(self, layer: int, keys: torch.Tensor, compare: torch.Tensor, chosen: torch.Tensor) -> None:
         """Count the tokens whose assignment (as a set) is unchanged since it was cached, then cache `chosen`."""
@@ -110,9 +110,16 @@ class AssignmentCache:
         out, self.counts = self.counts, {}
         return out
 
+    def _on(self, layer: int, device) -> torch.Tensor:
+        """The layer's table on `device` in the cache's dtype (a loaded checkpoint's tables arrive on the host)."""
+        t = self.tables[layer]
+        if t.device != torch.device(device) or t.dtype != self.dtype:
+            self.tables[layer] = t = t.to(device=device, dtype=self.dtype)
+        return t
+
     def _table(self, layer: int, keys: torch.Tensor, device) -> torch.Tensor:
         rows = self._known.size * self.positions
-        t = self.tables.get(layer)
+        t = self._on(layer, device) if layer in self.tables else None
         if t is None or t.shape[0] < rows:
             new = torch.full((rows, self.top_k), -1, dtype=self.dtype, device=device)
             if t is not None:
@@ -122,9 +129,12 @@ class AssignmentCache:
 
     # --- checkpoints -----------------------------------------------------------------------------------------------
     def state_dict(self) -> dict:
+        """Host tensors; tables as int32 (collectives such as gloo's broadcast of a resumed checkpoint have no
+        int16); ``load_state_dict`` narrows them again and moves them to the layers' device on first use."""
         return {"active": self.active, "epoch": self.epoch, "positions": self.positions,
-                "tables": {k: v.cpu() for k, v in self.tables.items()},
-                "last_epoch": torch.from_numpy(self._last_epoch.copy()), "known": torch.from_numpy(self._known.copy())}
+                "tables": {k: v.to("cpu", torch.int32) for k, v in self.tables.items()},
+                "last_epoch": torch.from_numpy(self._last_epoch.copy()), "known": torch.from_numpy(self._known.copy()),
+                "cached_calls": self.cached_calls}
 
     def load_state_dict(self, state: dict) -> None:
         if state["positions"] != self.positions:
@@ -134,6 +144,38 @@ class AssignmentCache:
         self.tables = {int(k): v for k, v in state["tables"].items()}
         self._last_epoch = state["last_epoch"].numpy().copy()
         self._known = state["known"].numpy().copy()
+        self.cached_calls = int(state.get("cached_calls", 0))
+
+    @staticmethod
+    def merge_states(states: List[dict]) -> dict:
+        """One cache state from several data-parallel ranks' ``state_dict``s (a resume at another world size): each
+        sample's rows come from the rank that saw it last."""
+        positions = states[0]["positions"]
+        n = max(int(s["last_epoch"].numel()) for s in states)
+
+        def pad(t):
+            return torch.cat([t, t.new_zeros(n - t.numel())])
+        last = torch.stack([pad(s["last_epoch"]) for s in states])           # [ranks, samples]
+        known = torch.stack([pad(s["known"]) for s in states])
+        owner = last.argmax(0)
+        samples = torch.arange(n)
+        out = {"active": bool(states[0]["active"]), "epoch": max(int(s["epoch"]) for s in states),
+               "positions": positions, "last_epoch": last[owner, samples].clone(),
+               "known": known[owner, samples].clone(), "tables": {},
+               "cached_calls": max(int(s.get("cached_calls", 0)) for s in states)}
+        for layer in sorted({k for s in states for k in s["tables"]}):
+            k = next(s["tables"][layer] for s in states if layer in s["tables"])
+            table = torch.full((n * positions, k.shape[1]), -1, dtype=k.dtype)
+            for i, s in enumerate(states):
+                t = s["tables"].get(layer)
+                if t is None:
+                    continue
+                mine = samples[owner == i]
+                rows = (mine[:, None] * positions + torch.arange(positions)[None, :]).reshape(-1)
+                rows = rows[rows < t.shape[0]]
+                table[rows] = t[rows]
+            out["tables"][layer] = table
+        return out
 
 
 class CachePolicy:
@@ -161,6 +203,17 @@ class CachePolicy:
         self._stable += stable
         self._compared += compared
         return decision
+
+    def state_dict(self) -> dict:
+        """On/off, the closed epochs' history and the open epoch's running counts (a resume mid-epoch keeps them)."""
+        return {"on": self.on, "history": list(self.history), "open": (self._epoch, self._stable, self._compared)}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.on, self.history = bool(state["on"]), [tuple(h) for h in state["history"]]
+        if "open" in state:
+            epoch, stable, compared = state["open"]
+            self._epoch = None if epoch is None else int(epoch)
+            self._stable, self._compared = float(stable), float(compared)
 
     def _close(self, next_epoch: int) -> Optional[bool]:
         fraction = self._stable / self._compared if self._compared > 0 else None

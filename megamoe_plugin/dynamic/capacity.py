@@ -9,13 +9,16 @@ between steps, through RECOMPILE (``recompile.py``), so the shapes stay static w
   (``Routing.demand``, device tensor, no sync) is max-accumulated; assignments cut by the capacity (demand - kept;
   GShard's random routing of second choices is not a capacity drop), assignments and buffer rows
   (host ints: the capacities are host lists) are summed. ``take()`` hands the step's values over and resets.
-* ``DynamicCapacityPolicy`` (runs in the RECOMPILE trigger, off the training thread): per layer, a moving average
-  of the demand (weight ``capacity_smoothing`` on the past); target capacity = max(average, this step's demand) x
-  (1 + headroom), rounded up
-  to a multiple of ``capacity_quantum`` and at least ``min_capacity``. Hysteresis: it recompiles only when some
-  expert's smoothed demand exceeds its capacity (it would drop on average) or some capacity exceeds its target by
-  more than ``capacity_hysteresis`` (padding waste); a recompilation sets every expert of the layer to its target.
-  Between the two bands nothing changes, which bounds the number of recompilations while demand only jitters.
+* ``DynamicCapacityPolicy`` (runs in the RECOMPILE trigger, off the training thread): per layer and expert, a
+  moving average of the demand and of its squared deviation (weight ``capacity_smoothing`` on the past); target
+  capacity = average + max(headroom x average, 2 x std), rounded up to a multiple of ``capacity_quantum`` and at
+  least ``min_capacity``: the spread term covers batch-to-batch jitter, which a pure headroom does not when batches
+  are small. Recompilations are bounded by asymmetry (paper §5.2: "a tolerable number of recompilations"):
+  an expert whose smoothed demand exceeds its capacity (it would drop on average) is grown to its target at once,
+  the others are left alone; capacities are shrunk only when the layer's rows exceed the targets' total by more
+  than ``capacity_hysteresis`` AND ``capacity_min_interval`` steps have passed since the layer's last
+  recompilation. So shrinking recompiles at most steps / min_interval times, growing only when the smoothed demand
+  rises past the headroom, and jitter inside the band changes nothing.
 
 Demand is per source rank (capacity is per source rank in the capacity dispatch), maximised over the ranks of the
 job so every rank applies the same capacities. "Average capacity factor" = buffer rows / assignments (1.0 = no
@@ -81,40 +84,81 @@ def capacity_metrics(row: torch.Tensor, num_experts: int) -> Dict[str, float]:
 
 
 class DynamicCapacityPolicy:
-    """Moving average + headroom with hysteresis (module docstring). ``decide`` is called in step order from the
-    RECOMPILE trigger; it remembers what it decided (the capacities in force once its decisions have landed)."""
+    """Moving average + spread + headroom, grow at once, shrink rarely (module docstring). ``decide`` is called in
+    step order from the RECOMPILE trigger; it remembers what it decided (the capacities in force once its decisions
+    have landed)."""
+
+    SPREAD = 2.0      # capacity covers the smoothed demand plus this many smoothed standard deviations
 
     def __init__(self, num_experts: int, headroom: float = 0.1, smoothing: float = 0.9, hysteresis: float = 0.25,
-                 quantum: int = 8, min_capacity: int = 4):
+                 quantum: int = 8, min_capacity: int = 4, min_interval: int = 10):
         self.num_experts, self.headroom, self.smoothing = num_experts, headroom, smoothing
         self.hysteresis, self.quantum, self.min_capacity = hysteresis, quantum, min_capacity
+        self.min_interval = min_interval
         self.average: Dict[int, torch.Tensor] = {}
+        self.variance: Dict[int, torch.Tensor] = {}
         self.capacity: Dict[int, List[int]] = {}
+        self.last_change: Dict[int, int] = {}            # layer -> step of its last decision
+        self.calls: Dict[int, int] = {}
         self.decisions = 0
 
     @classmethod
     def from_config(cls, cfg) -> "DynamicCapacityPolicy":
         return cls(cfg.num_experts, cfg.capacity_headroom, cfg.capacity_smoothing, cfg.capacity_hysteresis,
-                   cfg.capacity_quantum, cfg.min_capacity)
+                   cfg.capacity_quantum, cfg.min_capacity, cfg.capacity_min_interval)
 
-    def target(self, average: torch.Tensor) -> List[int]:
+    def state_dict(self) -> dict:
+        return {"average": {k: v.clone() for k, v in self.average.items()},
+                "variance": {k: v.clone() for k, v in self.variance.items()},
+                "capacity": {k: list(v) for k, v in self.capacity.items()},
+                "last_change": dict(self.last_change), "calls": dict(self.calls), "decisions": self.decisions}
+
+    def load_state_dict(self, state: dict) -> None:
+        def tensors(d):
+            return {int(k): torch.as_tensor(v, dtype=torch.float64) for k, v in d.items()}
+        self.average, self.variance = tensors(state["average"]), tensors(state.get("variance", {}))
+        self.capacity = {int(k): [int(c) for c in v] for k, v in state["capacity"].items()}
+        self.last_change = {int(k): int(v) for k, v in state.get("last_change", {}).items()}
+        self.calls = {int(k): int(v) for k, v in state.get("calls", {}).items()}
+        self.decisions = int(state.get("decisions", 0))
+
+    def target(self, average: torch.Tensor, std: Optional[torch.Tensor] = None) -> List[int]:
+        """Per expert: average + max(headroom x average, SPREAD x std), rounded up to the quantum, >= min_capacity."""
+        std = torch.zeros_like(average) if std is None else std
         q = self.quantum
-        return [max(int(math.ceil(float(a) * (1.0 + self.headroom) / q - 1e-9)) * q, self.min_capacity)
-                for a in average]
+        need = average + torch.maximum(self.headroom * average, self.SPREAD * std)
+        return [max(int(math.ceil(float(n) / q - 1e-9)) * q, self.min_capacity) for n in need]
 
-    def decide(self, layer: int, demand: torch.Tensor) -> Optional[List[int]]:
-        """New capacities for `layer` from this step's demand [E] (max over source ranks), or None (no change)."""
+    def decide(self, layer: int, demand: torch.Tensor, step: Optional[int] = None) -> Optional[List[int]]:
+        """New capacities for `layer` from the demand [E] of step `step` (max over source ranks), or None."""
         demand = demand.to(torch.float64)
-        avg = self.average.get(layer)
-        avg = demand.clone() if avg is None else self.smoothing * avg + (1.0 - self.smoothing) * demand
-        self.average[layer] = avg
-        target = self.target(torch.maximum(avg, demand))     # never below what this step needed
+        self.calls[layer] = self.calls.get(layer, 0) + 1
+        step = self.calls[layer] if step is None else int(step)
+        prev = self.average.get(layer)
+        if prev is None:
+            avg, var = demand.clone(), torch.zeros_like(demand)
+        else:
+            s = self.smoothing
+            avg = s * prev + (1.0 - s) * demand
+            var = s * self.variance[layer] + (1.0 - s) * (demand - prev) ** 2
+        self.average[layer], self.variance[layer] = avg, var
+        target = self.target(avg, var.sqrt())
         current = self.capacity.get(layer)
-        if current is not None:
-            short = any(float(a) > c for a, c in zip(avg, current))
-            wasteful = any(c > t * (1.0 + self.hysteresis) for c, t in zip(current, target))
-            if not (short or wasteful) or target == current:
+        if current is None:
+            new = target
+        else:
+            waste = (sum(current) > sum(target) * (1.0 + self.hysteresis)
+                     and step - self.last_change.get(layer, step) >= self.min_interval)
+            short = [float(a) > c for a, c in zip(avg, current)]
+            if waste:
+                new = target                                   # shrink (and grow) every expert to its target
+            elif any(short):
+                new = [max(c, t) if sh else c for c, t, sh in zip(current, target, short)]   # grow the short ones
+            else:
                 return None
-        self.capacity[layer] = target
+            if new == current:
+                return None
+        self.capacity[layer] = new
+        self.last_change[layer] = step
         self.decisions += 1
-        return target
+        return new

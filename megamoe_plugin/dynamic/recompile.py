@@ -103,6 +103,26 @@ class Recompiler:
                     changed = True
         return changed
 
+    def drain(self) -> Dict[int, list]:
+        """Wait for every trigger still running and return the decisions not yet applied, without applying them:
+        {boundary step: [(metrics step, decision or None), ...]}. After it, the trigger's own state (e.g. a
+        policy's moving averages) includes every recorded step and is not being written: what a checkpoint saves."""
+        with self._lock:
+            due = dict(self._due)
+        out = {}
+        for step, fut in sorted(due.items()):
+            out[int(step)] = [(int(s), d) for s, d in _results(fut)]
+        return out
+
+    def restore(self, pending: Dict[int, list]) -> None:
+        """Re-queue decisions saved by ``drain`` (a resumed run applies them at the same boundaries)."""
+        with self._lock:
+            for step, results in pending.items():
+                results = [(int(s), d) for s, d in results]
+                fut: Future = Future()
+                fut.set_result(results)
+                self._due[int(step)] = _chain(fut, self._due[int(step)]) if int(step) in self._due else fut   # older first
+
     def _agreed(self, decision):
         if self.group is None or not dist.is_initialized() or dist.get_world_size(self.group) == 1:
             return decision

@@ -28,11 +28,25 @@ from .assignment_cache import AssignmentCache, CachePolicy
 from .capacity import DynamicCapacityPolicy, capacity_metrics
 from .recompile import Recompiler
 
-__all__ = ["DynamicRuntime", "dynamic_enabled"]
+__all__ = ["DynamicRuntime", "dynamic_enabled", "format_metrics"]
 
 
 def dynamic_enabled(cfg) -> bool:
     return cfg.capacity_policy == "dynamic" or cfg.assignment_cache
+
+
+def format_metrics(metrics: Dict[str, float]) -> str:
+    """Progress-line fragment: average capacity factor, dropped fraction, recompilations, caching ('' if none)."""
+    parts = []
+    if "avg_capacity_factor" in metrics:
+        parts.append(f"cf {metrics['avg_capacity_factor']:.2f} drop {metrics.get('dropped_fraction', 0.0):.3f}")
+    if "recompilations" in metrics:
+        parts.append(f"recompiles {int(metrics['recompilations'])}")
+    if "cache_on" in metrics:
+        stable = metrics.get("cache_stable_fraction")
+        parts.append(f"cache {'on' if metrics['cache_on'] else 'off'}"
+                     + (f" kept {stable:.3f}" if stable is not None else ""))
+    return " ".join(parts)
 
 
 class DynamicRuntime:
@@ -104,7 +118,7 @@ class DynamicRuntime:
         if self.capacity_policy is not None:
             caps = {}
             for r in rows_used:
-                c = self.capacity_policy.decide(r, high[r, : self.E])
+                c = self.capacity_policy.decide(r, high[r, : self.E], step)
                 if c is not None:
                     caps[r] = c
             if caps:
@@ -147,31 +161,41 @@ class DynamicRuntime:
 
     # --- checkpoints ---------------------------------------------------------------------------------------------
     def state_dict(self) -> dict:
-        """Capacities in force, the policies' state and the cache (decisions still in flight are not saved: a
-        resumed run recomputes them from its own first steps)."""
-        out: Dict[str, Any] = {"capacity": {lid: layer.plan.expert_capacity for lid, layer in self.layers.items()}}
+        """Capacities in force, the policies' state, the cache, and the RECOMPILE decisions computed but not yet
+        applied (``pending``: a resumed run applies them at the same boundaries). Waits for the triggers still
+        running first, so the policies are complete and not being written while they are read."""
+        pending = self.recompiler.drain()
+        out: Dict[str, Any] = {"capacity": {lid: layer.plan.expert_capacity for lid, layer in self.layers.items()},
+                               "pending": pending}
         if self.capacity_policy is not None:
-            out["capacity_average"] = dict(self.capacity_policy.average)
-            out["capacity_decided"] = dict(self.capacity_policy.capacity)
+            out["capacity_policy"] = self.capacity_policy.state_dict()
             out["recompilations"] = self.recompilations
         if self.cache is not None:
             out["cache"] = self.cache.state_dict()
-            out["cache_policy"] = {"on": self.cache_policy.on, "history": list(self.cache_policy.history)}
+            out["cache_policy"] = self.cache_policy.state_dict()
         return out
 
-    def load_state_dict(self, state: dict) -> None:
-        for lid, cap in state.get("capacity", {}).items():
-            if lid in self.layers:
-                self.layers[lid].set_expert_capacity(cap)
-                self.layers[lid].plan.recompile_graphs()
-        if self.capacity_policy is not None and "capacity_average" in state:
-            self.capacity_policy.average = {int(k): v for k, v in state["capacity_average"].items()}
-            self.capacity_policy.capacity = {int(k): v for k, v in state["capacity_decided"].items()}
+    def load_state_dict(self, state: dict, keep_cache: bool = True) -> None:
+        """Restore ``state_dict``; what this run does not use (dynamic capacity off, no cache, or `keep_cache`
+        False: the sample indices may mean other samples now) is dropped, also from the pending decisions."""
+        use_capacity = self.capacity_policy is not None
+        use_cache = self.cache is not None and keep_cache and "cache" in state
+        if use_capacity:
+            for lid, cap in state.get("capacity", {}).items():
+                if int(lid) in self.layers:
+                    self.layers[int(lid)].set_expert_capacity(cap)
+                    self.layers[int(lid)].plan.recompile_graphs()
+            if "capacity_policy" in state:
+                self.capacity_policy.load_state_dict(state["capacity_policy"])
             self.recompilations = int(state.get("recompilations", 0))
-        if self.cache is not None and "cache" in state:
+        if use_cache:
             self.cache.load_state_dict(state["cache"])
-            self.cache_policy.on = bool(state["cache_policy"]["on"])
-            self.cache_policy.history = list(state["cache_policy"]["history"])
+            self.cache_policy.load_state_dict(state["cache_policy"])
+        keep = {"capacity"} if use_capacity else set()
+        keep |= {"cache"} if use_cache else set()
+        pending = {int(step): [(s, {k: v for k, v in (d or {}).items() if k in keep} or None) for s, d in results]
+                   for step, results in state.get("pending", {}).items()}
+        self.recompiler.restore(pending)
 
     def close(self) -> None:
         self.recompiler.close()
