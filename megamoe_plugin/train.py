@@ -50,6 +50,9 @@ import torch.nn.functional as F
 from .cpu_alloc import retain_freed_memory
 from .config import ConfigError, MoEConfig, iter_options
 from .data import build_corpus
+from .dynamic import DynamicRuntime, dynamic_enabled
+from .dynamic.assignment_cache import AssignmentCache
+from .dynamic.runtime import format_metrics as format_dynamic_metrics
 from .layer import collect_aux_loss, moe_layers
 from .placement import AfterStepHook, apply_placement
 from .models import TinyMoEGPT
@@ -338,14 +341,22 @@ class TrainBatches:
         self._offsets = torch.arange(seq_len + 1)
         self._epoch, self._order = -1, None
 
-    def batch(self, step: int):
-        """(input [B, T], target [B, T]) of 0-based step ``step`` on this rank."""
+    def sample_ids(self, step: int) -> torch.Tensor:
+        """Indices (in the split) of the samples of 0-based step ``step`` on this rank: the assignment cache's keys."""
         epoch, i = divmod(step, self.steps_per_epoch)
         if epoch != self._epoch:
             gen = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
             self._epoch, self._order = epoch, torch.randperm(self.num_samples, generator=gen)
         g = i * self.world_size + self.rank
-        idx = self._order[g * self.batch_size:(g + 1) * self.batch_size]
+        return self._order[g * self.batch_size:(g + 1) * self.batch_size]
+
+    def epoch_of(self, step: int) -> int:
+        """1-based epoch of 0-based step ``step``."""
+        return step // self.steps_per_epoch + 1
+
+    def batch(self, step: int):
+        """(input [B, T], target [B, T]) of 0-based step ``step`` on this rank."""
+        idx = self.sample_ids(step)
         windows = self.tokens[idx[:, None] * self.seq_len + self._offsets]
         return windows[:, :-1], windows[:, 1:]
 
@@ -427,12 +438,16 @@ def checkpoint_path(path: str, ps: ParallelState) -> str:
 
 
 def save_checkpoint(path: str, model, optimizer, cfg: MoEConfig, step: int, args: argparse.Namespace,
-                    ps: ParallelState) -> Optional[str]:
+                    ps: ParallelState, dynamic: Optional[DynamicRuntime] = None) -> Optional[str]:
     rng = torch.get_rng_state()
     rng_states = [rng]
+    dyn_states = [dynamic.state_dict()] if dynamic is not None else None
     if ps.distributed:
         rng_states = [None] * ps.world_size
         dist.all_gather_object(rng_states, rng)
+        if dynamic is not None:          # every rank's (its own assignment cache), in every file
+            dyn_states = [None] * ps.world_size
+            dist.all_gather_object(dyn_states, dynamic.state_dict())
     out = None
     if ps.ep_size > 1 or ps.is_main:
         out = checkpoint_path(path, ps)
@@ -442,6 +457,8 @@ def save_checkpoint(path: str, model, optimizer, cfg: MoEConfig, step: int, args
                  "model_args": {n: getattr(args, n) for n in MODEL_ARG_NAMES}, "args": dict(vars(args)),
                  "rng_states": rng_states, "world_size": ps.world_size, "expert_parallel_size": ps.ep_size,
                  "ep_rank": ps.ep_rank}
+        if dyn_states is not None:
+            state["dynamic"] = dyn_states
         os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
         tmp = f"{out}.tmp{os.getpid()}"
         torch.save(state, tmp)
@@ -487,6 +504,8 @@ class TrainResult:
     evals: List[dict] = field(default_factory=list)     # one dict per eval (with "step")
     checkpoint: Optional[str] = None
     trace: Optional[str] = None
+    dynamic: Dict[str, float] = field(default_factory=dict)   # DynaMoE runtime metrics at the end
+    cache_history: List[tuple] = field(default_factory=list)  # (epoch, kept fraction, caching on) per epoch
 
 
 def main(argv: Optional[Sequence[str]] = None) -> TrainResult:
@@ -568,6 +587,17 @@ def _train(parser, args, cfg: MoEConfig, ps: ParallelState) -> TrainResult:
         log(f"resumed from {args.resume} at step {start}")
 
     hook = AfterStepHook(cfg)          # --moe-placement flexmoe|shadow|...: between optimizer steps
+    dynamic = None                     # --moe-capacity-policy dynamic / --moe-assignment-cache (DynaMoE)
+    if dynamic_enabled(cfg):
+        dcfg = cfg if cfg.assignment_cache_positions else cfg.replace(assignment_cache_positions=args.seq_len)
+        dynamic = DynamicRuntime(dcfg, {m.layer_id: m for m in moe_layers(model)},
+                                 group=dist.group.WORLD if ps.distributed else None)
+        if start and state.get("dynamic"):
+            saved = state["dynamic"]
+            mine = dict(saved[ps.rank] if len(saved) == ps.world_size else saved[0])
+            if len(saved) != ps.world_size and any("cache" in d for d in saved):
+                mine["cache"] = AssignmentCache.merge_states([d["cache"] for d in saved if "cache" in d])
+            dynamic.load_state_dict(mine)
     result = TrainResult(step=start, model=model, optimizer=optimizer, moe_config=cfg, start_step=start)
     world_group = dist.group.WORLD if ps.distributed else None
     tokens_per_step = args.batch_size * args.seq_len * ps.world_size
@@ -584,6 +614,8 @@ def _train(parser, args, cfg: MoEConfig, ps: ParallelState) -> TrainResult:
         for group in optimizer.param_groups:
             group["lr"] = lr
         inp, tgt = batches.batch(step)
+        if dynamic is not None and dynamic.cache is not None:
+            dynamic.cache.set_batch(batches.sample_ids(step), inp.shape[1], layout="bs", epoch=batches.epoch_of(step))
         if tracer is not None:
             tracer.next_step(step + 1)
         logits = model(inp)
@@ -597,6 +629,10 @@ def _train(parser, args, cfg: MoEConfig, ps: ParallelState) -> TrainResult:
         optimizer.step()
         done = step + 1
         hook.run(model, optimizer, done)
+        if dynamic is not None:
+            if dynamic.cache is not None:
+                dynamic.cache.clear_batch()          # evaluation forwards never key into training samples
+            dynamic.after_step(done)
         result.step = done
         acc += torch.stack([loss.detach(), lm_loss.detach(), aux_loss.detach()]).double()
         acc_steps += 1
@@ -614,12 +650,16 @@ def _train(parser, args, cfg: MoEConfig, ps: ParallelState) -> TrainResult:
             if placed:
                 line += (f" | placement moves {hook.policy.total_moves} replicas {placed['replicas']:.0f} "
                          f"balance {placed['balance_ratio']:.2f}->{placed['balance_ratio_next']:.2f}")
+            dyn = dynamic.metrics() if dynamic is not None else {}
+            if dyn:
+                line += " | dynamic " + format_dynamic_metrics(dyn)
             if summary:
                 # device balance (experts in contiguous blocks over the ranks) only when EP spans the world
                 line += " | " + format_load(summary, show_device_balance=1 < ps.ep_size == ps.world_size)
             log(line)
             result.history.append({"step": done, "loss": mean[0], "lm_loss": mean[1], "aux_loss": mean[2],
-                                   "lr": lr, "grad_norm": gnorm, "tokens_per_s": tps, "moe": summary})
+                                   "lr": lr, "grad_norm": gnorm, "tokens_per_s": tps, "moe": summary,
+                                   "dynamic": dyn})
             acc.zero_()
             acc_steps = 0
             t_last = time.perf_counter()
@@ -630,15 +670,19 @@ def _train(parser, args, cfg: MoEConfig, ps: ParallelState) -> TrainResult:
             result.evals.append({"step": done, **ev})
             t_last = time.perf_counter()
         if args.save_interval and done % args.save_interval == 0 and done != end:
-            save_checkpoint(args.save, model, optimizer, cfg, done, args, ps)
+            save_checkpoint(args.save, model, optimizer, cfg, done, args, ps, dynamic)
             t_last = time.perf_counter()
 
     ev = evaluate(model, corpus, "valid", args.batch_size, args.seq_len, ps, args.eval_batches)
     log(_format_eval(result.step, ev))
     result.evals.append({"step": result.step, **ev})
     if args.save:
-        result.checkpoint = save_checkpoint(args.save, model, optimizer, cfg, result.step, args, ps)
+        result.checkpoint = save_checkpoint(args.save, model, optimizer, cfg, result.step, args, ps, dynamic)
         log(f"saved checkpoint {checkpoint_path(args.save, ps)} (step {result.step})")
+    if dynamic is not None:
+        result.dynamic = dynamic.metrics()
+        result.cache_history = dynamic.cache_history()
+        dynamic.close()
     if tracer is not None:
         result.trace = tracer.flush()
         log(f"routing trace: {trace_path}.rank* (steps {start + 1}..{result.step})")

@@ -16,6 +16,7 @@ from typing import Dict, Optional
 import torch
 import torch.distributed as dist
 
+from ..dynamic.runtime import format_metrics as format_dynamic_metrics   # noqa: F401 (re-export)
 from ..stats import layer_summary
 from .layer import plugin_stats
 
@@ -96,15 +97,3 @@ def write_dynamic_metrics(metrics: Dict[str, float], iteration: int, writer=None
     _write_scalars("moe_dynamic", metrics, iteration, writer, wandb_writer)
 
 
-def format_dynamic_metrics(metrics: Dict[str, float]) -> str:
-    """Progress-line fragment: average capacity factor, dropped fraction, recompilations, caching ('' if none)."""
-    parts = []
-    if "avg_capacity_factor" in metrics:
-        parts.append(f"cf {metrics['avg_capacity_factor']:.2f} drop {metrics.get('dropped_fraction', 0.0):.3f}")
-    if "recompilations" in metrics:
-        parts.append(f"recompiles {int(metrics['recompilations'])}")
-    if "cache_on" in metrics:
-        stable = metrics.get("cache_stable_fraction")
-        parts.append(f"cache {'on' if metrics['cache_on'] else 'off'}"
-                     + (f" kept {stable:.3f}" if stable is not None else ""))
-    return " ".join(parts)
