@@ -89,10 +89,6 @@ def _train(argv: List[str]) -> int:
 
 
 def _bench(argv: List[str]) -> int:
-    if argv[:1] == ["dynamic"]:          # `megamoe bench dynamic`: DynaMoE capacity trade-off (bench/dynamic.py)
-        from .bench import dynamic
-        dynamic.main(argv[1:])
-        return 0
     from . import bench
     bench.main(argv)
     return 0
