@@ -9,6 +9,7 @@ import torch.nn as nn
 
 from conftest import run_distributed
 from megamoe_plugin import MoEConfig, MoELayer
+from megamoe_plugin.config import ConfigError
 from megamoe_plugin.experts import ExpertBank
 from megamoe_plugin.inference.buffering import (ExpertBuffer, disable_expert_buffering, enable_expert_buffering,
                                                  expert_buffers)
@@ -231,6 +232,9 @@ def _ep_sweep(rank, world):
     layer = _layer(8, ep=2, group=dist.group.WORLD)
     assert layer.experts.w1.shape[0] == 4
     _sweep(layer, _batches(100 + rank, sizes=(2, 1, 9, 3, 30)), sizes=range(1, 5))
+    smart = MoELayer(layer.cfg.replace(schedule="smart"), 16, 24, ep_group=dist.group.WORLD).eval()
+    with pytest.raises(ConfigError, match="--moe-schedule"):      # it reads the bank's weights, never calls it
+        enable_expert_buffering(smart, 2, "lifo")
 
 
 def test_buffered_layer_expert_parallel():
@@ -299,3 +303,18 @@ def test_bad_cache_arguments():
         enable_expert_buffering(layer, 2, "random")
     with pytest.raises(TypeError):
         ExpertBuffer(nn.Linear(2, 2), 2)
+
+
+def test_model_cast_after_enabling_is_followed():
+    """.double() after enabling: the parameters stay on the host, the slots follow the new dtype."""
+    layer, twin = _layer(4, seed=2), _layer(4, seed=2).double()
+    x = _batches(6, sizes=(7,))[0]
+    with torch.no_grad():
+        want = twin(x.double())
+        (buf,) = enable_expert_buffering(layer, 1, "lru")
+        layer(x)
+        layer.double()
+        assert torch.equal(layer(x.double()), want)
+    assert buf.slots["w1"].dtype == torch.float64 and layer.experts.w1.dtype == torch.float64
+    disable_expert_buffering(layer)
+    assert torch.equal(layer.experts.w1, twin.experts.w1)

@@ -10,7 +10,8 @@ Per bank, once enabled:
 * the expert parameters ``w1``, ``w2`` (and ``b1``, ``b2``) are moved to host memory, pinned when the bank was on
   CUDA: the parameters stay the same ``nn.Parameter`` objects (names, attributes, ``state_dict`` keys unchanged),
   only their ``.data`` is now the host copy, so ``state_dict()`` returns CPU tensors and the full device copy is
-  freed; ``load_state_dict`` / ``ExpertBank.load_expert_state`` write into the host copy and the cache notices
+  freed (on CUDA it goes back to PyTorch's caching allocator, reusable at once; ``torch.cuda.empty_cache()``
+  returns it to the driver); ``load_state_dict`` / ``ExpertBank.load_expert_state`` write into the host copy and the cache notices
   (the parameters' version counters change) and reloads. Writes through ``.data`` bypass that check: call
   ``ExpertBuffer.invalidate()`` after them. Moving the model (``.to(device)``, ``.half()``) is noticed on the next
   forward: the parameters go back to host memory and the slots follow the new device / dtype.
@@ -94,6 +95,8 @@ class ExpertBuffer:
     @torch.no_grad()
     def _offload(self) -> None:
         """Parameters -> host memory (their .data), slots on self.device; the cache starts empty."""
+        if self._copy_stream is not None:
+            self._copy_stream.synchronize()             # slots may be reallocated below: no copy in flight
         params = self._params()
         for p in params.values():
             if p.device.type != "cpu":
@@ -101,10 +104,10 @@ class ExpertBuffer:
         pin = self._pin()
         for n, p in params.items():
             host = p.detach()
-            if host.device.type != "cpu":
+            if pin and not host.is_pinned():            # straight into pinned memory: one host copy, not two
+                host = torch.empty(host.shape, dtype=host.dtype, pin_memory=True).copy_(host)
+            elif host.device.type != "cpu":
                 host = host.to("cpu")
-            if pin and not host.is_pinned():
-                host = host.pin_memory()
             if host is not p.data:
                 p.data = host
             self.host[n] = p.data
