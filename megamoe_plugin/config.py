@@ -110,7 +110,9 @@ class MoEConfig:
                                           "or dynamic (DynaMoE §4.1: each expert's capacity follows its observed "
                                           "demand, changed between steps by RECOMPILE).", CAPACITY_POLICIES)
     capacity_headroom: float = _opt(0.2, "dynamic capacity: capacity = smoothed per-expert demand + max(headroom x "
-                                         "that demand, 2 x its smoothed standard deviation).")
+                                         "that demand, spread x its smoothed standard deviation).")
+    capacity_spread: float = _opt(2.0, "dynamic capacity: standard deviations of the per-expert demand the capacity "
+                                       "covers beyond its average (batch-to-batch jitter); 0 = headroom only.")
     capacity_smoothing: float = _opt(0.7, "dynamic capacity: weight of the past in the moving average of each "
                                           "expert's demand (0 = the last step only).")
     capacity_hysteresis: float = _opt(0.25, "dynamic capacity: shrink a layer's capacities only when their total exceeds "
@@ -257,6 +259,8 @@ class MoEConfig:
             bad("capacity_headroom", "must be >= 0")
         if not 0.0 <= self.capacity_smoothing < 1.0:
             bad("capacity_smoothing", "must be in [0, 1)")
+        if self.capacity_spread < 0:
+            bad("capacity_spread", "must be >= 0")
         if self.capacity_hysteresis < 0:
             bad("capacity_hysteresis", "must be >= 0")
         if self.capacity_quantum < 1:

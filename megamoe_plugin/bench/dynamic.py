@@ -8,9 +8,10 @@ its MoE layers in capacity dispatch (GShard drop rule; padded per-expert buffers
 - ``static CF=1``, ``CF=2``, ``CF=4``: one capacity factor for all experts and the whole run (paper Eq. 4);
 - ``static no-drop``: CF = E/k, every expert's buffer holds all T tokens of the step, so nothing CAN be dropped
   (the paper's static factor "that ensures no samples are dropped", α = 7 there, §5.1);
-- ``dynamic``: ``capacity_policy="dynamic"`` with its defaults (§4.1: per-expert moving average + headroom,
-  hysteresis, RECOMPILE Δ_launch = 1); the first steps run at the config's CF = 1 until the first decision lands;
-- ``dynamic headroom=1``: the same policy with capacity = 2 x the smoothed demand (a second point of the dynamic
+- ``dynamic``: ``capacity_policy="dynamic"`` with its defaults (§4.1: per-expert moving average + max(20%
+  headroom, 2 standard deviations), grow at once, shrink at most every 10 steps, RECOMPILE Δ_launch = 1); the first
+  steps run at the config's CF = 1 until the first decision lands;
+- ``dynamic spread=0``: the same policy covering only the 20% headroom, not the jitter (a second point of the dynamic
   curve; Fig. 9 plots policies of different average factors);
 - ``dynamic+cache``: ``dynamic`` plus sample-assignment caching (§4.2) with the paper's thresholds (on at >= 96% of
   tokens not reassigned over an epoch, off below 90%) but ``min_epoch`` 2 instead of 10 (``--cache-min-epoch``).
@@ -77,7 +78,7 @@ def run_specs(E: int, k: int, seq_len: int, min_epoch: int = 2, cache_on: float 
     dyn = dict(capacity_policy="dynamic")
     return [("static CF=1", dict(capacity_factor=1.0)), ("static CF=2", dict(capacity_factor=2.0)),
             ("static CF=4", dict(capacity_factor=4.0)), ("static no-drop", dict(capacity_factor=E / k)),
-            ("dynamic", dyn), ("dynamic headroom=1", dict(dyn, capacity_headroom=1.0)),
+            ("dynamic", dyn), ("dynamic spread=0", dict(dyn, capacity_spread=0.0)),
             ("dynamic+cache", dict(dyn, assignment_cache=True, assignment_cache_min_epoch=min_epoch,
                                    assignment_cache_on=cache_on, assignment_cache_off=cache_off,
                                    assignment_cache_positions=seq_len))]
@@ -216,7 +217,7 @@ def ratios(runs: Dict[str, dict], skip: int) -> Dict[str, dict]:
     base = runs["static no-drop"]
     mean = lambda xs: statistics.fmean(xs[skip:])       # noqa: E731
     out = {}
-    for name in ("dynamic", "dynamic headroom=1", "dynamic+cache"):
+    for name in ("dynamic", "dynamic spread=0", "dynamic+cache"):
         r = runs[name]
         out[name] = {"moe": mean(base["moe_s"]) / mean(r["moe_s"]), "step": mean(base["step_s"]) / mean(r["step_s"]),
                      "val_loss_delta": r["val_loss"] - base["val_loss"], "anchor": ANCHORS.get(name)}

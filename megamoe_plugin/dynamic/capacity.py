@@ -11,7 +11,7 @@ between steps, through RECOMPILE (``recompile.py``), so the shapes stay static w
   (host ints: the capacities are host lists) are summed. ``take()`` hands the step's values over and resets.
 * ``DynamicCapacityPolicy`` (runs in the RECOMPILE trigger, off the training thread): per layer and expert, a
   moving average of the demand and of its squared deviation (weight ``capacity_smoothing`` on the past); target
-  capacity = average + max(headroom x average, 2 x std), rounded up to a multiple of ``capacity_quantum`` and at
+  capacity = average + max(headroom x average, ``capacity_spread`` (2) x std), rounded up to a multiple of ``capacity_quantum`` and at
   least ``min_capacity``: the spread term covers batch-to-batch jitter, which a pure headroom does not when batches
   are small. Recompilations are bounded by asymmetry (paper §5.2: "a tolerable number of recompilations"):
   an expert whose smoothed demand exceeds its capacity (it would drop on average) is grown to its target at once,
@@ -88,13 +88,11 @@ class DynamicCapacityPolicy:
     step order from the RECOMPILE trigger; it remembers what it decided (the capacities in force once its decisions
     have landed)."""
 
-    SPREAD = 2.0      # capacity covers the smoothed demand plus this many smoothed standard deviations
-
     def __init__(self, num_experts: int, headroom: float = 0.1, smoothing: float = 0.9, hysteresis: float = 0.25,
-                 quantum: int = 8, min_capacity: int = 4, min_interval: int = 10):
+                 quantum: int = 8, min_capacity: int = 4, min_interval: int = 10, spread: float = 2.0):
         self.num_experts, self.headroom, self.smoothing = num_experts, headroom, smoothing
         self.hysteresis, self.quantum, self.min_capacity = hysteresis, quantum, min_capacity
-        self.min_interval = min_interval
+        self.min_interval, self.spread = min_interval, spread
         self.average: Dict[int, torch.Tensor] = {}
         self.variance: Dict[int, torch.Tensor] = {}
         self.capacity: Dict[int, List[int]] = {}
@@ -105,7 +103,7 @@ class DynamicCapacityPolicy:
     @classmethod
     def from_config(cls, cfg) -> "DynamicCapacityPolicy":
         return cls(cfg.num_experts, cfg.capacity_headroom, cfg.capacity_smoothing, cfg.capacity_hysteresis,
-                   cfg.capacity_quantum, cfg.min_capacity, cfg.capacity_min_interval)
+                   cfg.capacity_quantum, cfg.min_capacity, cfg.capacity_min_interval, cfg.capacity_spread)
 
     def state_dict(self) -> dict:
         return {"average": {k: v.clone() for k, v in self.average.items()},
@@ -123,10 +121,10 @@ class DynamicCapacityPolicy:
         self.decisions = int(state.get("decisions", 0))
 
     def target(self, average: torch.Tensor, std: Optional[torch.Tensor] = None) -> List[int]:
-        """Per expert: average + max(headroom x average, SPREAD x std), rounded up to the quantum, >= min_capacity."""
+        """Per expert: average + max(headroom x average, spread x std), rounded up to the quantum, >= min_capacity."""
         std = torch.zeros_like(average) if std is None else std
         q = self.quantum
-        need = average + torch.maximum(self.headroom * average, self.SPREAD * std)
+        need = average + torch.maximum(self.headroom * average, self.spread * std)
         return [max(int(math.ceil(float(n) / q - 1e-9)) * q, self.min_capacity) for n in need]
 
     def decide(self, layer: int, demand: torch.Tensor, step: Optional[int] = None) -> Optional[List[int]]:
