@@ -171,6 +171,8 @@ def moe_freq(args) -> int:
 def check_trainer_settings(cfg, moe: MoEConfig) -> None:
     """fairseq settings that cannot work with sharded experts; `cfg` is fairseq's full config. Raised at trainer
     construction, before the first step."""
+    from ..inference.deploy import refuse_in_training
+    refuse_in_training(moe, "fairseq-train")
     dt, common = cfg.distributed_training, cfg.common
     if getattr(common, "model_parallel_size", 1) > 1:
         raise ConfigError("megamoe-plugin: --model-parallel-size > 1 with MoE layers is not supported (experts are "

@@ -61,8 +61,21 @@ def moe_ify(model, args, encoder_layers, decoder_layers):
 MoETransformerLanguageModelConfig = moe_dataclass(TransformerLanguageModelConfig, "MoETransformerLanguageModelConfig")
 
 
+class _InferenceMixin:
+    """fairseq-generate / fairseq-eval-lm / fairseq-interactive call ``prepare_for_inference_`` after loading the
+    checkpoint (and after ``.half()`` / ``.cuda()``): there the paper 004 options apply (``inference.deploy``),
+    given as ``--model-overrides "{'moe_placement_file': 'p.json', 'moe_expert_cache_size': 2}"``."""
+
+    def prepare_for_inference_(self, cfg):
+        super().prepare_for_inference_(cfg)
+        moe = getattr(self, "moe_config", None)
+        if moe is not None:
+            from ..inference.deploy import prepare_for_inference
+            prepare_for_inference(self, moe, log=logger.info)
+
+
 @register_model("moe_transformer_lm", dataclass=MoETransformerLanguageModelConfig)
-class MoETransformerLanguageModel(TransformerLanguageModel):
+class MoETransformerLanguageModel(_InferenceMixin, TransformerLanguageModel):
     """fairseq's transformer_lm with MoE FFNs on every --moe-freq-th decoder layer."""
 
     @classmethod
@@ -72,7 +85,7 @@ class MoETransformerLanguageModel(TransformerLanguageModel):
 
 
 @register_model("moe_transformer")
-class MoETransformerModel(TransformerModel):
+class MoETransformerModel(_InferenceMixin, TransformerModel):
     """fairseq's transformer (encoder-decoder) with MoE FFNs on every --moe-freq-th encoder and decoder layer."""
 
     @classmethod
