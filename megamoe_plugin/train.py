@@ -53,6 +53,7 @@ from .data import build_corpus
 from .dynamic import DynamicRuntime, dynamic_enabled
 from .dynamic.assignment_cache import AssignmentCache
 from .dynamic.runtime import format_metrics as format_dynamic_metrics
+from .inference.deploy import refuse_in_training
 from .layer import collect_aux_loss, moe_layers
 from .placement import AfterStepHook, apply_placement
 from .models import TinyMoEGPT
@@ -514,6 +515,7 @@ def main(argv: Optional[Sequence[str]] = None) -> TrainResult:
     _check_args(parser, args)
     try:
         cfg = moe_config_from_args(args)
+        refuse_in_training(cfg, "megamoe train")
     except ConfigError as err:
         parser.error(str(err))
     torch.set_num_threads(args.threads)

@@ -80,6 +80,9 @@ def test_invalid_moe_option_is_an_argparse_error_before_training(capsys, monkeyp
     with pytest.raises(SystemExit):                                   # a choice is checked by argparse itself
         train.main(["--moe-dispatch", "sometimes"])
     assert "--moe-dispatch" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        train.main(TINY + ["--steps", "5", "--moe-expert-cache-size", "2"])        # inference only (paper 004)
+    assert "--moe-expert-cache-size=2: inference only" in capsys.readouterr().err
 
 
 def test_every_moe_option_is_a_flag(capsys):

@@ -285,6 +285,21 @@ def main(argv=None):
         DYNAMIC = hooks.setup(model, positions=args.seq_length)     # DynaMoE runtime, before the first forward
 
     start = load_checkpoint(args, model, optimizer, scheduler) if args.load else 0
+    if args.skip_train:
+        if args.moe_plugin:        # paper 004: expert permutation, then expert buffering (inference only)
+            from megamoe_plugin.inference.deploy import prepare_for_inference
+            prepare_for_inference(model, args.moe_plugin_config, log=print0,
+                                  strict=args.pipeline_model_parallel_size == 1)
+        dp_rank, dp = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
+        n_micro = args.global_batch_size // (args.micro_batch_size * dp)
+        eval_samples = args.eval_iters * args.global_batch_size
+        _, valid_ds, _ = build_datasets(args.seq_length, (max(args.train_iters, 1) * args.global_batch_size,
+                                                          eval_samples, eval_samples), args.seed, args.mock_data,
+                                        raw_vocab, args.data_cache_path, args.corpus_bytes, dist.get_rank())
+        evaluate(args, model, valid_ds, n_micro, dp_rank, dp, start)
+        dist.barrier()
+        dist.destroy_process_group()
+        return
     if hooks is not None:
         hooks.start_iteration(start + 1)        # routing traces label forwards with their iteration
     dp_rank, dp = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()

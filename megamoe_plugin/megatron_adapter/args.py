@@ -192,6 +192,9 @@ def validate_moe_plugin_args(args) -> Optional[MoEConfig]:
         raise ConfigError(f"megamoe-plugin: --tensor-model-parallel-size={tp} with --moe-plugin needs "
                           "--sequence-parallel (each tensor-parallel rank routes its own sequence shard)")
     cfg = config_from_megatron(args)
+    if not _get(args, "skip_train", default=False):
+        from ..inference.deploy import refuse_in_training
+        refuse_in_training(cfg, "Megatron (evaluate a checkpoint with --skip-train)", spell=plugin_flag)
     if cfg.assignment_cache and tp > 1:
         raise ConfigError(f"megamoe-plugin: --moe-plugin-assignment-cache with --tensor-model-parallel-size={tp}: "
                           "sequence-parallel MoE layers see a shard of each sample's tokens, which the cache's "

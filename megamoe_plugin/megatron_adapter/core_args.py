@@ -91,6 +91,9 @@ def add_megatron_core_args(p: argparse.ArgumentParser) -> argparse.ArgumentParse
     g.add_argument("--eval-interval", type=int, default=0, help="0 = evaluate only at the end")
     g.add_argument("--eval-iters", type=int, default=4)
     g.add_argument("--exit-interval", type=int, default=None, help="stop after this iteration (for resume tests)")
+    g.add_argument("--skip-train", action="store_true",
+                   help="load --load, skip training, evaluate and exit (inference: the plugin's paper-004 options "
+                        "--moe-plugin-placement-file / --moe-plugin-expert-cache-size apply here)")
 
     g = p.add_argument_group("data and checkpoints (Megatron-LM names)")
     g.add_argument("--mock-data", action="store_true", help="megatron-core's MockGPTDataset instead of the corpus")

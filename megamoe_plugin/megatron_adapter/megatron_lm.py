@@ -101,6 +101,10 @@ def _wrap_validate_args(validate_args: Callable) -> Callable:
                 raise ConfigError("--distributed-backend=nccl: this torch has no CUDA; use --distributed-backend "
                                   "gloo (the megamoe-plugin CPU shims are installed)")
             cfg = validate_moe_plugin_args(args)
+            if cfg is not None and (cfg.expert_cache_size or cfg.placement_file):
+                raise ConfigError("megamoe-plugin: --moe-plugin-expert-cache-size / --moe-plugin-placement-file in "
+                                  "pretrain_gpt.py: it has no inference path that applies them; evaluate the "
+                                  "checkpoint with examples/megatron/pretrain_moe_gpt.py --skip-train")
             if cfg is not None and cfg.assignment_cache:
                 raise ConfigError("megamoe-plugin: --moe-plugin-assignment-cache in pretrain_gpt.py: Megatron-LM's "
                                   "GPT batches carry no sample index to key the cache by (its multi-epoch "
