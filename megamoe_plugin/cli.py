@@ -6,6 +6,9 @@
     megamoe fairseq-user-dir  the folder to pass to fairseq-train / fairseq-generate --user-dir
     megamoe topology          a topology's levels and TA-MoE target pattern; --measure times it (torchrun)
     megamoe perf <command>    performance model: profiles, roofline, simulate (a trace), calibrate (perfmodel.cli)
+    megamoe trace             run a trained checkpoint over held-out text: routing trace + heatmap (inference/)
+    megamoe cache-sim         expert-buffering miss rates vs cache size on a trace, incl. Belady's MIN
+    megamoe balance           greedy / anti-correlation expert placement from a trace -> --moe-placement-file
 
 Everything after the subcommand is handed to it unparsed (``parse_known_args``), so ``megamoe train -h`` shows the
 trainer's own help.
@@ -143,6 +146,24 @@ def _fairseq_user_dir(argv: List[str]) -> int:
     return 0
 
 
+def _trace(argv: List[str]) -> int:
+    from .inference import trace_cli
+    trace_cli.main(argv)
+    return 0
+
+
+def _cache_sim(argv: List[str]) -> int:
+    from .inference import cli as inference_cli
+    inference_cli.cache_sim_main(argv)
+    return 0
+
+
+def _balance(argv: List[str]) -> int:
+    from .inference import cli as inference_cli
+    inference_cli.balance_main(argv)
+    return 0
+
+
 _COMMANDS = {
     "train": (_train, "Train the small MoE GPT language model on the embedded corpus (the main job)."),
     "bench": (_bench, "Run the MoE benchmarks (megamoe_plugin.bench)."),
@@ -150,6 +171,9 @@ _COMMANDS = {
     "fairseq-user-dir": (_fairseq_user_dir, "Print the folder to pass to fairseq-train's --user-dir."),
     "topology": (_topology, "Print (or --measure under torchrun) a topology and TA-MoE's target pattern."),
     "perf": (_perf, "Performance model: profiles, DDL-Roofline, trace simulation, calibration."),
+    "trace": (_trace, "Run a trained checkpoint over held-out text; record its routing trace and a heatmap (004)."),
+    "cache-sim": (_cache_sim, "Expert-buffering miss rates vs cache size on a trace: LIFO/FIFO/LRU/LFU/Belady (004)."),
+    "balance": (_balance, "Greedy / anti-correlation expert placement from a trace; writes --moe-placement-file (004)."),
 }
 
 
