@@ -188,7 +188,8 @@ def avg_max_load(loads, device_of_expert: Sequence[int], num_devices: int) -> fl
 def evaluate_placements(loads, num_devices: int, weight: float = 0.5) -> Dict[str, dict]:
     """Fit on the first half of the batches, evaluate on the held-out second half (paper 004 §VII-A).
     Returns {"identity" | "greedy" | "anticorrelation": {"placement": device_of_expert, "max_load": ...,
-    "avg_max_load": ...}}."""
+    "avg_max_load": ... (held-out half), "fit_max_load": ..., "fit_avg_max_load": ... (the fitted half: what a
+    choice between the placements may look at)}}."""
     a = _loads(loads)
     B, E = a.shape
     if B < 2:
@@ -199,7 +200,9 @@ def evaluate_placements(loads, num_devices: int, weight: float = 0.5) -> Dict[st
                       ("greedy", greedy_placement(fit, num_devices)),
                       ("anticorrelation", anticorrelation_placement(fit, num_devices, weight))):
         out[name] = {"placement": list(dev), "max_load": max_load(test, dev, num_devices),
-                     "avg_max_load": avg_max_load(test, dev, num_devices)}
+                     "avg_max_load": avg_max_load(test, dev, num_devices),
+                     "fit_max_load": max_load(fit, dev, num_devices),
+                     "fit_avg_max_load": avg_max_load(fit, dev, num_devices)}
     return out
 
 

@@ -162,8 +162,8 @@ def balance_main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--devices", type=int, required=True, help="Expert-parallel devices D to place the experts on.")
     p.add_argument("--out", required=True, help="Placement file to write (JSON, for --moe-placement-file).")
     p.add_argument("--method", choices=METHODS, default="best",
-                   help="Placement written per layer: best = the lowest held-out Avg Max Load (then Max Load) of "
-                        "identity, greedy and anti-correlation (default); or one of them for every layer.")
+                   help="Placement written per layer: best = the lowest Avg Max Load (then Max Load) on the fitted "
+                        "half of identity, greedy and anti-correlation (default); or one of them for every layer.")
     p.add_argument("--weight", type=float, default=0.5,
                    help="Anti-correlation weight of the Pearson term (paper: 0.5).")
     p.add_argument("--layers", default="", help="Comma list of the trace's layer ids to balance (default: all).")
@@ -187,8 +187,9 @@ def balance_main(argv: Optional[Sequence[str]] = None) -> int:
         lid = int(trace["layers"][j])
         res = evaluate_placements(layer_loads(trace, j), D, args.weight)
         if args.method == "best":
-            pick = min(names, key=lambda n: (round(res[n]["avg_max_load"], 12), round(res[n]["max_load"], 12),
-                                             names.index(n)))
+            # chosen on the fitted half only: the held-out half stays an honest estimate of the choice
+            pick = min(names, key=lambda n: (round(res[n]["fit_avg_max_load"], 12),
+                                             round(res[n]["fit_max_load"], 12), names.index(n)))
         else:
             pick = args.method
         perms[lid] = placement_to_perm(res[pick]["placement"], D)
