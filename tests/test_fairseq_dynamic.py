@@ -7,7 +7,6 @@ In process (cheap):
   gate's choice for that token's own hidden state, padding is never cached, a second epoch finds all of them
   stable; a dummy batch and an eval forward leave the cache alone; a cached forward gives the gate's forward's
   outputs. Encoder-decoder models are refused; --add-bos-token adds a position.
-- caches of several ranks merge sample by sample (a checkpoint loaded at another world size).
 
 The real fairseq-train (subprocesses, as in test_fairseq_train.py):
 - 2 gloo processes on a small slice of the embedded corpus, --moe-dispatch capacity --moe-capacity-policy dynamic
@@ -184,25 +183,6 @@ def test_cache_refused_for_encoder_decoder_models(tmp_path):
     dyn.close()
 
 
-def test_caches_of_several_ranks_merge_by_last_epoch():
-    from megamoe_plugin.dynamic.assignment_cache import AssignmentCache
-    from megamoe_plugin.fairseq_adapter.dynamic import _merge_cache_states
-    P = 4
-    a, b = AssignmentCache(1, P, 4), AssignmentCache(1, P, 4)
-    # rank a: samples 0, 1 in epoch 1, sample 1 again in epoch 2; rank b: sample 1 in epoch 1, sample 3 in epoch 2
-    for cache, epoch, ids, expert in ((a, 1, [0, 1], 0), (a, 2, [1], 1), (b, 1, [1], 2), (b, 2, [3], 3)):
-        cache.set_batch(torch.tensor(ids), P, epoch=epoch)
-        keys, compare, _ = cache.token_keys((len(ids), P), "cpu")
-        cache.observe(7, keys, compare, torch.full((keys.numel(), 1), expert))
-    m = _merge_cache_states([a.state_dict(), b.state_dict()])
-    assert m["last_epoch"].tolist()[:4] == [1, 2, 0, 2] and m["epoch"] == 2
-    t = m["tables"][7].view(-1, P)
-    assert t[0].tolist() == [0] * P and t[1].tolist() == [1] * P and t[3].tolist() == [3] * P
-    assert t[2].tolist() == [-1] * P
-    merged = AssignmentCache(1, P, 4)
-    merged.load_state_dict(m)                                     # a valid cache state
-
-
 # --- fairseq-train ------------------------------------------------------------------------------------------------
 def _epoch_checkpoints(args):
     """lm_args with fairseq's per-epoch checkpoints (checkpoint<N>.pt) kept."""
@@ -233,7 +213,7 @@ def test_two_ranks_dynamic_capacity_with_dummy_batches(tiny_lm, tmp_path):
     s0, s1 = saved["states"][0], saved["states"][1]
     assert s0["capacity"] == s1["capacity"] and s0["capacity"][0] is not None and len(s0["capacity"][0]) == 4
     assert s0["pending"] == s1["pending"] and s0["recompilations"] == s1["recompilations"] > 0
-    torch.testing.assert_close(s0["capacity_average"][0], s1["capacity_average"][0], rtol=0, atol=0)
+    torch.testing.assert_close(s0["capacity_policy"]["average"][0], s1["capacity_policy"]["average"][0], rtol=0, atol=0)
     # each rank its own cache: in epoch 4 the ranks saw every sample once between them, and rank 1's dummy batch
     # (fairseq's copy of the first batch) keyed nothing
     seen = [set((s["cache"]["last_epoch"] == 4).nonzero().squeeze(1).tolist()) for s in (s0, s1)]

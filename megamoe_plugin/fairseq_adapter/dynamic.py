@@ -32,7 +32,6 @@ is the task's sequence length: ``--tokens-per-sample`` (+1 with ``--add-bos-toke
 from __future__ import annotations
 
 import logging
-from concurrent.futures import Future
 from typing import Dict, List, Optional, Tuple
 
 import torch
@@ -97,36 +96,6 @@ def check_cache_model(model) -> None:
         raise ConfigError("megamoe-plugin: --moe-assignment-cache needs a decoder-only model (moe_transformer_lm): "
                           f"{type(model).__name__} has MoE layers in its encoder, whose source sequences have "
                           "another length than the decoder's (the cache keys one batch shape per forward)")
-
-
-def _merge_cache_states(states: List[dict]) -> dict:
-    """One assignment cache from several ranks' (``AssignmentCache.state_dict``): each sample's rows come from the
-    rank that saw it last."""
-    positions = states[0]["positions"]
-    n = max(int(s["last_epoch"].numel()) for s in states)
-
-    def pad(t):
-        return torch.cat([t, t.new_zeros(n - t.numel())])
-    last = torch.stack([pad(s["last_epoch"]) for s in states])           # [S, n]
-    known = torch.stack([pad(s["known"]) for s in states])
-    owner = last.argmax(0)
-    samples = torch.arange(n)
-    out = {"active": bool(states[0]["active"]), "epoch": max(int(s["epoch"]) for s in states),
-           "positions": positions, "last_epoch": last[owner, samples].clone(), "known": known[owner, samples].clone(),
-           "tables": {}}
-    for layer in sorted({k for s in states for k in s["tables"]}):
-        k = next(s["tables"][layer] for s in states if layer in s["tables"])
-        table = torch.full((n * positions, k.shape[1]), -1, dtype=k.dtype)
-        for i, s in enumerate(states):
-            t = s["tables"].get(layer)
-            if t is None:
-                continue
-            mine = samples[owner == i]
-            rows = (mine[:, None] * positions + torch.arange(positions)[None, :]).reshape(-1)
-            rows = rows[rows < t.shape[0]]
-            table[rows] = t[rows]
-        out["tables"][layer] = table
-    return out
 
 
 class FairseqDynamic:
@@ -232,34 +201,9 @@ class FairseqDynamic:
         self._epochs_logged = len(history)
 
     # --- checkpoints -------------------------------------------------------------------------------------------
-    def _settle(self) -> Dict[int, list]:
-        """Wait for the triggers still running (one worker thread, in step order: once the last is done the
-        policies' state includes every recorded step) and return the decisions due at later boundaries:
-        {boundary step: [(metrics step, decision), ...]}."""
-        rec = self.rt.recompiler
-        with rec._lock:
-            due = dict(rec._due)
-        out = {}
-        for step, fut in sorted(due.items()):
-            r = fut.result()
-            out[int(step)] = [tuple(x) for x in (r if isinstance(r, list) else [r])]
-        return out
-
     def local_state(self) -> dict:
-        """This rank's state: the runtime's, the pending RECOMPILE decisions, the cache policy's open epoch."""
-        pending = self._settle()
-        st = self.rt.state_dict()
-        if "cache" in st:
-            # int16 tables widened: fairseq broadcasts a resumed checkpoint's tensors from rank 0, and gloo has no
-            # int16 (``load`` narrows them again)
-            st["cache"] = {**st["cache"], "tables": {k: v.to(torch.int32) for k, v in st["cache"]["tables"].items()},
-                           "cached_calls": self.cache.cached_calls}     # (a counter the cache does not save)
-        st["pending"] = pending
-        st["epoch"] = self.epoch
-        cp = self.rt.cache_policy
-        if cp is not None:
-            st["cache_policy_open"] = {"epoch": cp._epoch, "stable": cp._stable, "compared": cp._compared}
-        return st
+        """This rank's state: the runtime's (capacities, pending RECOMPILE decisions, policies, cache) and the epoch."""
+        return {**self.rt.state_dict(), "epoch": self.epoch}
 
     def gather_states(self) -> Optional[dict]:
         """Collective over the job: every rank's ``local_state`` on rank 0 (None elsewhere)."""
@@ -293,42 +237,15 @@ class FairseqDynamic:
             st = dict(states[min(states)])
             caches = [states[r]["cache"] for r in sorted(states) if "cache" in states[r]]
             if caches:
-                st["cache"] = _merge_cache_states(caches)
-        pending = {int(k): list(v) for k, v in st.pop("pending", {}).items()}
-        if reset_cache or self.cache is None:
-            st.pop("cache", None)
-            st.pop("cache_policy", None)
-            pending = {k: [(s, {n: v for n, v in d.items() if n != "cache"} if d else d) for s, d in v]
-                       for k, v in pending.items()}
-        if self.rt.capacity_policy is None:
-            st.pop("capacity", None)
-            pending = {k: [(s, {n: v for n, v in d.items() if n != "capacity"} if d else d) for s, d in v]
-                       for k, v in pending.items()}
-        self.rt.load_state_dict(st)
-        if self.cache is not None and "cache" in st:
-            # AssignmentCache.load_state_dict keeps the tables as loaded (CPU, the checkpoint's dtype): back onto
-            # the layers' device in the cache's dtype
-            self.cache.tables = {k: v.to(device=self.rt.device, dtype=self.cache.dtype)
-                                 for k, v in self.cache.tables.items()}
-            self.cache.cached_calls = int(st["cache"].get("cached_calls", 0))
+                st["cache"] = AssignmentCache.merge_states(caches)
+        self.rt.load_state_dict(st, keep_cache=not reset_cache)
         self._epochs_logged = len(self.rt.cache_history())
-        open_ = st.get("cache_policy_open")
-        cp = self.rt.cache_policy
-        if cp is not None and open_ is not None and "cache" in st:
-            cp._epoch, cp._stable, cp._compared = open_["epoch"], float(open_["stable"]), float(open_["compared"])
-        rec = self.rt.recompiler
-        with rec._lock:
-            for step, results in pending.items():
-                results = [(s, d or None) for s, d in results]
-                if not any(d for _, d in results):
-                    continue
-                fut: Future = Future()
-                fut.set_result(results)
-                rec._due[step] = fut
+        pending = st.get("pending", {}) if self.rt.capacity_policy is not None or not reset_cache else {}
         caps = {lid: c for lid, c in st.get("capacity", {}).items() if c is not None}
         logger.info("megamoe-plugin: DynaMoE state restored: capacities %s, %d pending decision(s)%s",
                     caps or "from the capacity factor", sum(bool(d) for v in pending.values() for _, d in v),
-                    "" if "cache" not in st else f", assignment caching {'on' if self.cache.active else 'off'}")
+                    f", assignment caching {'on' if self.cache.active else 'off'}"
+                    if self.cache is not None and not reset_cache and "cache" in st else "")
 
     def close(self) -> None:
         self.rt.close()
