@@ -28,7 +28,9 @@ from __future__ import annotations
 
 from typing import Dict, List, Optional, Sequence, Tuple
 
-POLICIES = ("lifo", "fifo", "lru", "lfu")
+from ..config import EXPERT_CACHE_POLICIES
+
+POLICIES = EXPERT_CACHE_POLICIES           # one list: the config validates --moe-expert-cache-policy with it
 
 SIZE_FLAG = "--moe-expert-cache-size"
 POLICY_FLAG = "--moe-expert-cache-policy"
