@@ -51,6 +51,7 @@ setup(
     long_description=read_readme(),
     long_description_content_type="text/markdown",
     packages=find_packages(exclude=["tests", "tests.*"]),
+    package_data={"megamoe_plugin": ["data/traces/*"]},     # routing traces for `megamoe reproduce`
     python_requires=">=3.10",
     install_requires=["torch==2.13.0", "numpy"],
     extras_require={

@@ -9,6 +9,7 @@
     megamoe trace             run a trained checkpoint over held-out text: routing trace + heatmap (inference/)
     megamoe cache-sim         expert-buffering miss rates vs cache size on a trace, incl. Belady's MIN
     megamoe balance           greedy / anti-correlation expert placement from a trace -> --moe-placement-file
+    megamoe reproduce <paper> a paper's tables and figures, each number labelled measured / predicted / paper
 
 Everything after the subcommand is handed to it unparsed (``parse_known_args``), so ``megamoe train -h`` shows the
 trainer's own help.
@@ -164,6 +165,12 @@ def _balance(argv: List[str]) -> int:
     return 0
 
 
+def _reproduce(argv: List[str]) -> int:
+    from . import reproduce
+    reproduce.main(argv)
+    return 0
+
+
 _COMMANDS = {
     "train": (_train, "Train the small MoE GPT language model on the embedded corpus (the main job)."),
     "bench": (_bench, "Run the MoE benchmarks (megamoe_plugin.bench)."),
@@ -174,6 +181,7 @@ _COMMANDS = {
     "trace": (_trace, "Run a trained checkpoint over held-out text; record its routing trace and a heatmap (004)."),
     "cache-sim": (_cache_sim, "Expert-buffering miss rates vs cache size on a trace: LIFO/FIFO/LRU/LFU/Belady (004)."),
     "balance": (_balance, "Greedy / anti-correlation expert placement from a trace; writes --moe-placement-file (004)."),
+    "reproduce": (_reproduce, "Regenerate a paper's tables and figures: fastermoe|tamoe|flexmoe|dynamoe|deployment."),
 }
 
 

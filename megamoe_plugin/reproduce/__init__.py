@@ -1,0 +1,34 @@
+"""`megamoe reproduce <paper>`: regenerate each paper's headline tables and figures from this repository.
+
+    megamoe reproduce fastermoe|tamoe|flexmoe|dynamoe|deployment [--fast] [--out DIR]
+
+Each paper is a module here with ``run(out_dir: str, fast: bool, log=print) -> dict`` that writes its tables
+(``<name>.md``, every row labelled with how it was obtained: ``common.py``) and figures (``<name>.png``) into
+``out_dir``, prints the tables, and returns {"tables": [paths], "figures": [paths]}. ``--fast`` is the CI mode:
+small sizes on the shipped traces (``megamoe_plugin/data/traces``, made by ``examples/reproduce/make_traces.sh``).
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+from typing import List, Optional
+
+PAPERS = {
+    "fastermoe": "FasterMoE (paper 003): performance model accuracy, shadowing, smart schedule, Hir gate",
+    "tamoe": "TA-MoE (paper 002): even vs uneven dispatch on a two-level topology, topology-aware loss",
+    "flexmoe": "FlexMoE (paper 001): cost-model error, token/expert efficiency, drops vs quality, scaling",
+    "dynamoe": "DynaMoE (paper 000): static vs dynamic capacity trade-off, cached fraction over training",
+    "deployment": "MoE deployment (paper 004): dynamic vs static gating, expert-cache miss rates, load balancing",
+}
+
+
+def main(argv: Optional[List[str]] = None) -> dict:
+    p = argparse.ArgumentParser(prog="megamoe reproduce", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog="\n".join(f"  {k:<11} {v}" for k, v in PAPERS.items()))
+    p.add_argument("paper", choices=sorted(PAPERS))
+    p.add_argument("--fast", action="store_true", help="small sizes on the shipped traces (minutes; the CI test)")
+    p.add_argument("--out", default=None, help="output folder (default: results/<paper>)")
+    args = p.parse_args(argv)
+    mod = importlib.import_module(f"{__name__}.{args.paper}")
+    return mod.run(args.out or f"results/{args.paper}", args.fast)
