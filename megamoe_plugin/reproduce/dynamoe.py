@@ -1,0 +1,199 @@
+"""`megamoe reproduce dynamoe`: DynaMoE (paper 000) -- static vs dynamic capacity factors (§5.1 Fig. 6, §5.2 Fig. 9)
+and the fraction of tokens not reassigned per epoch that drives sample-assignment caching (§5.3 Fig. 10).
+
+Everything measured comes from one call of ``megamoe bench dynamic`` (``bench/dynamic.py``; its docstring and
+BENCHMARKS.md's "megamoe bench dynamic" section say how): one real-text LM trained seven times from the same weights
+on the same data, static CF 1 / 2 / 4 / no-drop (CF = E/k), dynamic capacity (two policies) and dynamic + assignment
+cache, interleaved step by step. ``--fast`` uses the bench's ``quick`` setting (seconds; the CI test), the full mode
+its ``default`` (a few minutes on 2 cores). This module only presents the results as the paper's figures:
+
+* ``fig9_runtime_vs_loss`` (table + PNG): per run, mean step time against final validation loss (the paper's
+  runtime-accuracy plane), with average capacity factor, dropped fraction, recompilations and the speedup over the
+  no-drop static factor; the paper's Fig. 6 speedups (1.4x dynamic, 1.7x with caching) as ``paper`` rows;
+* ``fig10_cached_fraction`` (table + PNG): per epoch of the dynamic + cache run, the fraction of tokens whose
+  assignment did not change since the previous epoch and whether caching was on, against the paper's thresholds;
+* ``anchors``: each of the paper's headline numbers in a ``paper`` row, followed by what this run measured.
+
+The bench trains on the CPU (it never moves the model to a GPU), so its rows say ``measured here (CPU)`` on any
+machine.
+"""
+from __future__ import annotations
+
+from typing import Dict, List, Optional
+
+from .common import PAPER, Table, header, print_tables, save_figure
+
+__all__ = ["PAPER_NUMBERS", "run", "tables_from_results", "interp_static_drop"]
+
+CPU = "measured here (CPU)"        # bench/dynamic.py trains on the CPU whatever the machine has
+PAPER_NUMBERS = {
+    "speedup_dynamic": 1.4,           # §5.1 Fig. 6: dynamic CF vs the no-drop static CF, same accuracy
+    "speedup_dynamic_cache": 1.7,     # §5.1 Fig. 6: dynamic CF + assignment caching
+    "no_drop_alpha": 7.0,             # §5.1: the static factor that drops nothing in the paper's setup
+    "cache_on": 0.96, "cache_off": 0.90, "cache_min_epoch": 10,     # §5.3 Fig. 10's policy
+    "cache_off_epoch": 48,            # §5.3: caching briefly switched off during epoch 48
+    "cache_speedup": 1.15,            # §5.3: the speedup caching gave in Fig. 10's training
+}
+STATIC = ("static CF=1", "static CF=2", "static CF=4", "static no-drop")
+DYNAMIC = ("dynamic", "dynamic spread=0")
+
+
+def interp_static_drop(runs: Dict[str, dict], cf: float) -> Optional[float]:
+    """The static runs' dropped fraction linearly interpolated at average capacity factor `cf` (None outside)."""
+    pts = sorted((runs[n]["avg_capacity_factor"], runs[n]["dropped_fraction"]) for n in STATIC if n in runs)
+    for (x0, y0), (x1, y1) in zip(pts, pts[1:]):
+        if x0 <= cf <= x1:
+            return y0 if x1 == x0 else y0 + (y1 - y0) * (cf - x0) / (x1 - x0)
+    return None
+
+
+def tables_from_results(res: dict) -> List[Table]:
+    """The three tables from ``bench.dynamic.run``'s result dict."""
+    s = res["setup"]
+    runs = {r["name"]: r for r in res["runs"]}
+    base = runs["static no-drop"]
+    E, k = s["moe"]["num_experts"], s["moe"]["top_k"]
+    setup = (f"tiny GPT on the embedded corpus ({s['layers']} blocks, {s['layers'] // s['moe_every']} MoE, hidden "
+             f"{s['hidden']}, E={E} top-{k} {s['moe']['gate']}), {s['samples']} sequences x {s['seq_len']} bytes, "
+             f"batch {s['batch']}, {s['epochs']} epochs = {s['steps']} steps, seed {s['seed']}, {s['threads']} "
+             f"thread(s); load average {s['load_avg'][0]:.1f} -> {s['load_avg'][1]:.1f}; {s['wall_s']:.0f} s")
+
+    f9 = Table("fig9_runtime_vs_loss", "Fig. 9 (and Fig. 6's speedups): runtime vs validation loss, static vs dynamic "
+               "capacity factors",
+               ["run", "avg capacity factor", "dropped %", "recompilations", "MoE ms/step", "step ms",
+                "step speedup vs no-drop", "final valid loss", "source"])
+    for r in res["runs"]:
+        f9.add(r["name"], r["avg_capacity_factor"], 100.0 * r["dropped_fraction"], r["recompilations"], r["moe_ms"],
+               r["step_ms"], base["step_ms"] / r["step_ms"], r["val_loss"], CPU)
+    P = PAPER_NUMBERS
+    f9.add(f"static no-drop (alpha={P['no_drop_alpha']:g})", P["no_drop_alpha"], 0.0, 0, None, None, 1.0,
+           "reference accuracy", PAPER)
+    f9.add("dynamic", None, None, None, None, None, P["speedup_dynamic"], "same as no-drop", PAPER)
+    f9.add("dynamic+cache", None, None, None, None, None, P["speedup_dynamic_cache"], "same as no-drop", PAPER)
+    f9.add("static CF=1", 1.0, None, 0, None, None, f"= dynamic+cache ({P['speedup_dynamic_cache']:g})",
+           "worse (drops)", PAPER)
+    f9.notes += [setup,
+                 f"no-drop = static CF = E/k = {E / k:g}: every expert's buffer holds all of a step's tokens. Times: "
+                 f"mean over steps {s['skip'] + 1}..{s['steps']}, runs interleaved step by step; speedup = no-drop "
+                 "step time / the run's. Validation loss: nats/token, dropless evaluation for every run.",
+                 "paper rows: §5.1 / Fig. 6 (GPU, expert parallel): dynamic CF 1.4x, + caching 1.7x over the no-drop "
+                 "static factor at the same accuracy; 'the same throughput as a static capacity factor of 1.0' "
+                 "(static CF=1 row); Fig. 9 plots no numbers in the text, only that dynamic policies trade runtime "
+                 "for accuracy better than static factors."]
+
+    hist = res["fig10"]
+    cache = runs["dynamic+cache"].get("cache", {})
+    f10 = Table("fig10_cached_fraction", "Fig. 10: fraction of tokens not reassigned since the previous epoch "
+                "(dynamic + assignment cache)", ["epoch", "fraction not reassigned", "caching on after it", "source"])
+    for epoch, frac, on in hist:
+        f10.add(int(epoch), None if frac is None else float(frac), "on" if on else "off", CPU)
+    f10.add(f"{P['cache_min_epoch']} onward", f">= {P['cache_on']:g}", "on", PAPER)
+    f10.add(str(P["cache_off_epoch"]), f"< {P['cache_off']:g} (briefly)", "off, then on again", PAPER)
+    f10.notes += [setup,
+                  f"caching policy here: on at >= {s['cache_on']:g} of tokens not reassigned over an epoch, off below "
+                  f"{s['cache_off']:g}, never before epoch {s['cache_min_epoch']} (the paper: epoch "
+                  f"{P['cache_min_epoch']}; this run has only {s['epochs']} epochs). Epoch 1 has no previous epoch.",
+                  (f"caching took effect in epoch {cache['on_epoch']} ({cache['cached_calls']} MoE layer calls used "
+                   "cached assignments)") if cache.get("on_epoch") is not None else
+                  "caching never turned on in this run"]
+
+    q = res["ratios"]
+    fr = [f for _, f, _ in hist if f is not None]
+    fr_epochs = [int(e) for e, f, _ in hist if f is not None]
+    a = Table("anchors", "DynaMoE (paper 000): the paper's numbers and this run's", ["figure", "quantity", "value",
+                                                                                       "source"])
+    a.add("Fig. 6", "dynamic vs no-drop static: speedup", f"{P['speedup_dynamic']:g}x at the same accuracy", PAPER)
+    a.add("Fig. 6", "dynamic vs no-drop static: speedup",
+          f"step {q['dynamic']['step']:.2f}x, MoE layers {q['dynamic']['moe']:.2f}x; valid loss "
+          f"{q['dynamic']['val_loss_delta']:+.4f}", CPU)
+    a.add("Fig. 6", "dynamic + caching vs no-drop static: speedup",
+          f"{P['speedup_dynamic_cache']:g}x at the same accuracy", PAPER)
+    a.add("Fig. 6", "dynamic + caching vs no-drop static: speedup",
+          f"step {q['dynamic+cache']['step']:.2f}x, MoE layers {q['dynamic+cache']['moe']:.2f}x; valid loss "
+          f"{q['dynamic+cache']['val_loss_delta']:+.4f}"
+          + ("" if cache.get("on_epoch") is not None else " (caching never on: the dynamic run again)"), CPU)
+    a.add("Fig. 9", "dynamic vs static at the same average factor", "dynamic: better runtime-accuracy trade-off",
+          PAPER)
+    for name in DYNAMIC:
+        r = runs[name]
+        st = interp_static_drop(runs, r["avg_capacity_factor"])
+        a.add("Fig. 9", "dynamic vs static at the same average factor",
+              f"{name}: {100 * r['dropped_fraction']:.1f}% dropped at CF {r['avg_capacity_factor']:.2f}, "
+              f"{r['recompilations']} recompilations; static interpolated at that CF: "
+              + ("-" if st is None else f"{100 * st:.1f}%"), CPU)
+    a.add("Fig. 10", "tokens not reassigned between epochs", f">= {P['cache_on']:g} from epoch "
+          f"{P['cache_min_epoch']} (caching on; {P['cache_speedup']:g}x from caching)", PAPER)
+    a.add("Fig. 10", "tokens not reassigned between epochs",
+          (f"{min(fr):.3f}-{max(fr):.3f} over epochs {fr_epochs[0]}-{fr_epochs[-1]} (last: {fr[-1]:.3f}); "
+           if fr else "no epoch pair; ")
+          + (f"caching on in epoch {cache['on_epoch']}" if cache.get("on_epoch") is not None else "caching never on"),
+          CPU)
+    a.notes.append(setup)
+    return [f9, f10, a]
+
+
+def figure9(res: dict):
+    import matplotlib
+    matplotlib.use("Agg", force=False)
+    import matplotlib.pyplot as plt
+
+    runs = {r["name"]: r for r in res["runs"]}
+    fig, ax = plt.subplots(figsize=(6.4, 4.4))
+    st = [runs[n] for n in STATIC]
+    ax.plot([r["step_ms"] for r in st], [r["val_loss"] for r in st], "-o", color="C0", label="static CF (global)")
+    dy = [runs[n] for n in DYNAMIC]
+    ax.plot([r["step_ms"] for r in dy], [r["val_loss"] for r in dy], "-s", color="C1", label="dynamic CF (local)")
+    c = runs["dynamic+cache"]
+    ax.plot([c["step_ms"]], [c["val_loss"]], "^", color="C2", markersize=8, label="dynamic + assignment cache")
+    for r in st + dy:
+        ax.annotate(f"{r['name'].replace('static ', '').replace('dynamic ', '')} ({r['avg_capacity_factor']:.2f})",
+                    (r["step_ms"], r["val_loss"]), textcoords="offset points", xytext=(4, 4), fontsize=7)
+    ax.set_xlabel("mean training step time (ms)   [label: run (average capacity factor)]")
+    ax.set_ylabel("final validation loss (nats/token)")
+    ax.set_title("DynaMoE Fig. 9: runtime vs accuracy (measured here, CPU)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    return fig
+
+
+def figure10(res: dict):
+    import matplotlib
+    matplotlib.use("Agg", force=False)
+    import matplotlib.pyplot as plt
+    import matplotlib.ticker
+
+    s = res["setup"]
+    hist = [(e, f, on) for e, f, on in res["fig10"]]
+    fig, ax = plt.subplots(figsize=(6.4, 4.0))
+    pts = [(e, f) for e, f, _ in hist if f is not None]
+    if pts:
+        ax.plot([e for e, _ in pts], [f for _, f in pts], "-o", color="C0", label="measured (dynamic + cache)")
+    on = [e for e, _, o in hist if o]
+    if on:
+        ax.plot(on, [1.0] * len(on), "s", color="C2", label="caching on after the epoch")
+    ax.axhline(s["cache_on"], color="C3", linestyle="--", linewidth=1, label=f"on threshold {s['cache_on']:g}")
+    ax.axhline(s["cache_off"], color="C4", linestyle=":", linewidth=1, label=f"off threshold {s['cache_off']:g}")
+    ax.axvline(s["cache_min_epoch"], color="grey", linewidth=1, alpha=0.6,
+               label=f"earliest caching epoch here ({s['cache_min_epoch']})")
+    ax.set_ylim(0, 1.05)
+    ax.set_xlabel("epoch")
+    ax.set_ylabel("fraction of tokens not reassigned")
+    ax.set_title("DynaMoE Fig. 10: assignment convergence (paper: >= 0.96 from epoch 10)", fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
+    ax.legend(fontsize=7, loc="center right")
+    return fig
+
+
+def run(out_dir: str, fast: bool, log=print, seed: int = 0) -> dict:
+    from ..bench import dynamic as bench
+
+    setting = dict(bench.SETTINGS["quick" if fast else "default"])
+    log(header("dynamoe", fast, f"megamoe bench dynamic, {'quick' if fast else 'default'} setting"))
+    res = bench.run(setting, seed=seed, log=log)
+    tables = tables_from_results(res)
+    paths = [t.write(out_dir) for t in tables]
+    figures = [save_figure(figure9(res), out_dir, "fig9_runtime_vs_loss"),
+               save_figure(figure10(res), out_dir, "fig10_cached_fraction")]
+    print_tables(tables, figures, log)
+    return {"tables": paths, "figures": figures}
