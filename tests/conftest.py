@@ -3,10 +3,21 @@ import os
 import sys
 import tempfile
 
+import pytest
 import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+@pytest.fixture
+def single_process(monkeypatch):
+    """An in-process trainer run as a single process: no launcher variables, the torch thread count restored."""
+    for var in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(var, raising=False)
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
 
 
 def reference_moe(x2d, routing, bank):

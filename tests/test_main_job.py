@@ -26,13 +26,7 @@ LOAD_RE = re.compile(r"L(\d+) load=\[([^\]]*)\] bal=([\d.]+) drop=([\d.]+)")
 STEP_RE = re.compile(r"^step\s+(\d+)/(\d+) \| loss ([\d.]+) \| lm ([\d.]+) \| aux ([\d.]+)", re.M)
 
 
-@pytest.fixture(autouse=True)
-def _single_process(monkeypatch):
-    for var in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        monkeypatch.delenv(var, raising=False)
-    threads = torch.get_num_threads()
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("single_process")   # conftest: no launcher env, threads restored
 
 
 def _loads(out):

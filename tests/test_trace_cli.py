@@ -30,13 +30,7 @@ TINY = ["--hidden", "64", "--layers", "2", "--heads", "2", "--ffn-hidden", "128"
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
-@pytest.fixture(autouse=True)
-def _single_process(monkeypatch):
-    for var in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        monkeypatch.delenv(var, raising=False)
-    threads = torch.get_num_threads()
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("single_process")   # conftest: no launcher env, threads restored
 
 
 def _env():

@@ -20,13 +20,7 @@ TINY = ["--hidden", "32", "--layers", "2", "--heads", "2", "--ffn-hidden", "64",
 DYN_RE = re.compile(r"\| dynamic cf ([\d.]+) drop ([\d.]+) recompiles (\d+) cache (on|off)")
 
 
-@pytest.fixture(autouse=True)
-def _single_process(monkeypatch):
-    for var in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        monkeypatch.delenv(var, raising=False)
-    threads = torch.get_num_threads()
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("single_process")   # conftest: no launcher env, threads restored
 
 
 def test_main_job_runs_dynamic_capacity_and_caching_and_resumes_the_same_run(tmp_path, capsys):
