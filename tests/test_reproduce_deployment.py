@@ -29,12 +29,6 @@ SOURCE = re.compile(r"^(measured here \((CPU|GPU .+)\)|predicted \(.+ cost model
 DYN = "dynamic (dropless)"
 
 
-@pytest.fixture(autouse=True)
-def _single_process(monkeypatch):
-    for var in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        monkeypatch.delenv(var, raising=False)
-
-
 def _small_trace(d):
     """Until the shipped trace exists: a 16-expert top-2 model trained a few steps, traced in 16-token batches."""
     from megamoe_plugin import train
@@ -53,15 +47,18 @@ def _small_trace(d):
 def out(tmp_path_factory):
     d = str(tmp_path_factory.mktemp("deployment"))
     threads = torch.get_num_threads()
-    try:
-        trace = common.shipped_trace(deployment.TRACE)
-    except FileNotFoundError:
-        trace = _small_trace(str(tmp_path_factory.mktemp("trace")))
     logged = []
-    try:
-        res = deployment.run(d, fast=True, log=logged.append, trace=trace)
-    finally:
-        torch.set_num_threads(threads)
+    with pytest.MonkeyPatch.context() as mp:           # one process, whatever launcher variables are set
+        for var in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+            mp.delenv(var, raising=False)
+        try:
+            try:
+                trace = common.shipped_trace(deployment.TRACE)
+            except FileNotFoundError:
+                trace = _small_trace(str(tmp_path_factory.mktemp("trace")))
+            res = deployment.run(d, fast=True, log=logged.append, trace=trace)
+        finally:
+            torch.set_num_threads(threads)
     return d, res, "\n".join(str(x) for x in logged), load_trace(trace)
 
 

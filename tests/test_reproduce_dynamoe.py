@@ -12,6 +12,7 @@ import os
 import re
 
 import pytest
+import torch
 
 from megamoe_plugin import reproduce
 from megamoe_plugin.reproduce.common import parse_markdown_table
@@ -25,7 +26,11 @@ RUNS = ["static CF=1", "static CF=2", "static CF=4", "static no-drop", "dynamic"
 @pytest.fixture(scope="module")
 def out(tmp_path_factory):
     d = str(tmp_path_factory.mktemp("dynamoe"))
-    res = reproduce.main(["dynamoe", "--fast", "--out", d])
+    threads = torch.get_num_threads()
+    try:
+        res = reproduce.main(["dynamoe", "--fast", "--out", d])
+    finally:
+        torch.set_num_threads(threads)                 # the bench sets its own thread count
     return d, res
 
 
