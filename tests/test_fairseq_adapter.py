@@ -676,3 +676,15 @@ def test_trainer_settings_that_cannot_shard_experts_are_rejected():
                         (cfg(mp=2), "--model-parallel-size")]:
         with pytest.raises(ConfigError, match=needle):
             check_trainer_settings(bad, sharded)
+
+
+def test_launcher_adds_torchrun_ranks_and_gloo_on_cpu():
+    from megamoe_plugin.fairseq_adapter.launch import backend_flags, distributed_flags
+    env = {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1"}
+    flags = distributed_flags(env)
+    assert flags[flags.index("--distributed-rank") + 1] == "1" and flags[flags.index("--device-id") + 1] == "1"
+    assert distributed_flags({}) == []                                   # not under torchrun: nothing added
+    assert backend_flags(["data", "--cpu"], cuda_available=True) == ["--distributed-backend", "gloo"]
+    assert backend_flags(["data"], cuda_available=False) == ["--distributed-backend", "gloo"]
+    assert backend_flags(["data"], cuda_available=True) == []             # GPUs: fairseq's default (NCCL)
+    assert backend_flags(["data", "--cpu", "--distributed-backend", "gloo"], cuda_available=False) == []
