@@ -46,7 +46,6 @@ from __future__ import annotations
 import contextlib
 import io
 import json
-import math
 import os
 import statistics
 import tempfile
@@ -60,6 +59,7 @@ from .common import PAPER, Table, header, measured, predicted, print_tables, sav
 __all__ = ["run", "cost_model_accuracy", "quality_with_drops", "efficiency_over_training", "scaling"]
 
 PROFILE = "flexmoe-a100"
+GEMM_SHAPE = (256, 1024)                # H, F of the expert FFN timed in fig6c (calibrate's measure_gemm default)
 CALIBRATED = "calibrated-here"          # the name of the profile fitted on this machine (fig6c)
 
 # Paper 001 Table 2 (validation perplexity, lower is better): DeepSpeed (capacity 1.0, drops) vs FlexMoE (dropless)
@@ -87,33 +87,49 @@ def _pct(x: float) -> str:
 
 # ================================================================================================ Fig. 6(c)
 def _cost_worker(rank: int, world: int, init_file: str, result_file: str, fast: bool) -> None:
+    """Calibrate (``perfmodel.calibrate.calibrate``), then time every size of the three operations in interleaved
+    rounds (each round visits every size once, so a burst of load from other jobs hits all sizes alike) and keep
+    the median over rounds of the slowest rank's time."""
     import torch.distributed as dist
 
-    from ..perfmodel.calibrate import _timed, calibrate, measure_alltoall, measure_gemm
+    from ..experts import ExpertBank
+    from ..perfmodel.calibrate import _timed, calibrate
 
     os.environ.pop("LOCAL_WORLD_SIZE", None)          # one node of `world` ranks (Topology.from_env)
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
-        iters = 5
         cal = calibrate(name=CALIBRATED, quick=False, device="cpu")
+        cpu, group = torch.device("cpu"), dist.group.WORLD
+        fit_tokens = [int(b) for b, _ in cal.gemm["points"]]
+        fit_a2a = [int(b) for b, _ in cal.alltoall["points"]]
         held_tokens = (128, 512, 1536) if fast else (128, 512, 1536, 3072, 6144)
-        gemm = measure_gemm(tokens=held_tokens, iters=iters, device="cpu")
         held_a2a = (1 << 15, 1 << 18, 1 << 20) if fast else (1 << 13, 1 << 15, 1 << 18, 1 << 20, 1 << 22)
-        a2a = measure_alltoall(None, sizes=held_a2a, iters=iters, device="cpu")
         ar_sizes = (1 << 16, 1 << 20, 1 << 22) if fast else (1 << 14, 1 << 16, 1 << 18, 1 << 20, 1 << 22, 1 << 23)
-        allreduce = []
+        H, F = GEMM_SHAPE
+        bank = ExpertBank(1, H, F, "gelu", device=cpu)          # measure_gemm's expert FFN
+        cases = []                                               # (op, size, subset, fn)
+        for tokens in sorted(set(fit_tokens) | set(held_tokens)):
+            x = torch.randn(tokens, H, requires_grad=True)
+            cases.append(("computation", tokens, "fit" if tokens in fit_tokens else "held-out",
+                          lambda x=x, b=tokens: bank(x, [b]).sum().backward()))
+        for size in sorted(set(fit_a2a) | set(held_a2a)):
+            inp = torch.randn(world * max(size // 4, 1))
+            out = torch.empty_like(inp)
+            cases.append(("all-to-all", size, "fit" if size in fit_a2a else "held-out",
+                          lambda i=inp, o=out: dist.all_to_all_single(o, i)))
         for size in ar_sizes:
             buf = torch.randn(max(size // 4, 1))
-            allreduce.append((size, _timed(lambda: dist.all_reduce(buf), iters, 2, torch.device("cpu"), None)))
+            cases.append(("all-reduce", size, "held-out", lambda b=buf: dist.all_reduce(b)))
+        times = [[] for _ in cases]
+        for r in range(5 if fast else 9):
+            for i, (_, _, _, fn) in enumerate(cases):
+                times[i].append(_timed(fn, 1, 1 if r == 0 else 0, cpu, group))
         if rank == 0:
             with open(result_file, "w") as f:
-                json.dump({"profile": cal.profile.to_dict(),
-                           "gemm_fit": [list(p) for p in cal.gemm["points"]],
-                           "a2a_fit": [list(p) for p in cal.alltoall["points"]],
-                           "gemm_held": [list(p) for p in gemm["points"]],
-                           "a2a_held": [list(p) for p in a2a["points"]],
-                           "allreduce": [list(p) for p in allreduce]}, f)
+                json.dump({"profile": cal.profile.to_dict(), "rounds": len(times[0]),
+                           "points": [[op, size, subset, statistics.median(t), min(t), max(t)]
+                                      for (op, size, subset, _), t in zip(cases, times)]}, f)
     finally:
         dist.destroy_process_group()
 
@@ -135,37 +151,38 @@ def cost_model_accuracy(out_dir: str, fast: bool, log=print, nproc: int = 2) -> 
     t0 = time.perf_counter()
     res = _run_cost_worker(fast, nproc)
     profile = HardwareProfile.from_dict(res["profile"])
-    H, F = 256, 1024                                   # measure_gemm's default expert FFN (calibrate uses it too)
+    H, F = GEMM_SHAPE
     shape = LayerShape(H, F, nproc, bytes_per_element=profile.bytes_per_element)
     cm = profile.cost_model(shape, nproc)
-    points = []        # (operation, size label, size number, subset, measured s, predicted s)
-    for subset, key in (("fit", "gemm_fit"), ("held-out", "gemm_held")):
-        for tokens, t in res[key]:
-            pred = 3.0 * cm.compute_time([tokens] * nproc)
-            points.append(("computation", f"{int(tokens)} tokens", tokens, subset, t, pred))
-    for subset, key in (("fit", "a2a_fit"), ("held-out", "a2a_held")):
-        for size, t in res[key]:
+    points = []        # (operation, size label, size, subset, measured s, predicted s, min s, max s)
+    for op, size, subset, t, lo, hi in res["points"]:
+        if op == "computation":
+            label, pred = f"{int(size)} tokens", 3.0 * cm.compute_time([size] * nproc)
+        elif op == "all-to-all":
             traffic = torch.full((nproc, nproc), size / shape.token_bytes, dtype=torch.float64)
-            points.append(("all-to-all", f"{_kib(size)} per pair", size, subset, t, cm.alltoall_time(traffic)))
-    for size, t in res["allreduce"]:
-        points.append(("all-reduce", _kib(size), size, "held-out", t, cm.sync_time(size, range(nproc))))
+            label, pred = f"{_kib(size)} per pair", cm.alltoall_time(traffic)
+        else:
+            label, pred = _kib(size), cm.sync_time(size, range(nproc))
+        points.append((op, label, size, subset, t, pred, lo, hi))
     ops = ("computation", "all-to-all", "all-reduce")
     points.sort(key=lambda p: (ops.index(p[0]), p[2]))
 
     where = measured()
     model = predicted(CALIBRATED)
     table = Table("fig6c_cost_model", f"Fig. 6(c): cost model vs measured time on this machine ({nproc} gloo "
-                  "processes)", ["operation", "input size", "points", "time (ms)", "prediction error", "source"],
-                  fmt="{:.4g}")
-    for op, label, _, subset, t, pred in points:
-        table.add(op, label, subset, t * 1e3, "-", where)
-        table.add(op, label, subset, pred * 1e3, _pct((pred - t) / t), model)
-    table.add("computation / all-to-all / all-reduce", "several (Fig. 6(c))", "-", "-", "< 3% on average", PAPER)
+                  "processes)", ["operation", "input size", "points", "time (ms)", "min-max over rounds (ms)",
+                                 "prediction error", "source"], fmt="{:.4g}")
+    for op, label, _, subset, t, pred, lo, hi in points:
+        table.add(op, label, subset, t * 1e3, f"{lo * 1e3:.4g}-{hi * 1e3:.4g}", "-", where)
+        table.add(op, label, subset, pred * 1e3, "-", _pct((pred - t) / t), model)
+    table.add("computation / all-to-all / all-reduce", "several (Fig. 6(c))", "-", "-", "-", "< 3% on average",
+              PAPER)
     table.notes += [
-        f"{where}: median over 5 runs of the slowest of {nproc} gloo processes on this machine "
-        f"(2 shared CPU cores: other jobs run beside these timings). {model}: the cost model of `perfmodel.cost` "
-        "with the profile `perfmodel.calibrate.calibrate()` fitted in the same processes; 'fit' = the sizes that "
-        "calibration measured and fitted (in-sample), 'held-out' = other sizes measured afterwards (out of "
+        f"{where}: the slowest of {nproc} gloo processes on this machine, median over {res['rounds']} interleaved "
+        "rounds (each round times every size once, so load from other jobs on the shared CPU cores hits all sizes "
+        f"alike; the min-max column shows how much it did). {model}: the cost model of `perfmodel.cost` "
+        "with the profile `perfmodel.calibrate.calibrate()` fitted in the same processes just before; 'fit' = the "
+        "sizes the calibration measured and fitted (its own timings, not these), 'held-out' = other sizes (out of "
         "sample). All-reduce is not part of the calibration: the prediction is the network model's ring "
         "all-reduce (Eq. 9 without a profiled BPS).",
         f"computation: forward + backward of one expert FFN H={H} F={F} (fp32, GELU) = 3 x Eq. 1 / Eq. 7, with the "
@@ -191,7 +208,7 @@ def cost_model_accuracy(out_dir: str, fast: bool, log=print, nproc: int = 2) -> 
                       "GPUs); ours on CPU processes sharing two busy cores, so timing noise alone can exceed 3%."]
 
     import matplotlib.pyplot as plt
-    fig, axes = plt.subplots(1, 3, figsize=(14, 4))
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
     for ax, op in zip(axes, ops):
         pts = [p for p in points if p[0] == op]
         xs = [p[2] for p in pts]
@@ -199,8 +216,9 @@ def cost_model_accuracy(out_dir: str, fast: bool, log=print, nproc: int = 2) -> 
         for subset, marker in (("fit", "o"), ("held-out", "s")):
             sel = [p for p in pts if p[3] == subset]
             if sel:
-                ax.plot([p[2] for p in sel], [p[4] * 1e3 for p in sel], marker, color="tab:blue", linestyle="none",
-                        label=f"measured here ({subset})")
+                ax.errorbar([p[2] for p in sel], [p[4] * 1e3 for p in sel],
+                            yerr=[[(p[4] - p[6]) * 1e3 for p in sel], [(p[7] - p[4]) * 1e3 for p in sel]],
+                            fmt=marker, color="tab:blue", capsize=2, label=f"measured here ({subset} sizes)")
         ax.set_xscale("log")
         ax.set_yscale("log")
         from matplotlib.ticker import NullFormatter
@@ -210,7 +228,7 @@ def cost_model_accuracy(out_dir: str, fast: bool, log=print, nproc: int = 2) -> 
         ax.set_ylabel("time (ms)")
         ax.set_title(op)
         ax.legend(fontsize=7)
-    fig.suptitle("FlexMoE Fig. 6(c) on this machine: cost model estimate vs measured time")
+    fig.suptitle("FlexMoE Fig. 6(c) on this machine: cost model estimate vs measured time (median, min-max bars)")
     return [table, summary], [save_figure(fig, out_dir, "fig6c_cost_model")]
 
 
@@ -331,7 +349,8 @@ def _load_routing(fallback: Optional[str]) -> Tuple[dict, str]:
     from ..stats import load_trace
     try:
         path = shipped_trace("megatron_gpt")
-        what = "shipped trace megatron_gpt (Megatron adapter, 2 ranks EP=2, 16 experts, GShard top-2)"
+        what = ("shipped trace megatron_gpt (training routing of the small MoE GPT that "
+                "examples/reproduce/make_traces.sh trains with the Megatron adapter)")
     except FileNotFoundError:
         if not fallback:
             raise
@@ -341,17 +360,26 @@ def _load_routing(fallback: Optional[str]) -> Tuple[dict, str]:
     return load_trace(path), what
 
 
-def _scale_trace(trace: dict, tokens_per_gpu: int, stride: int = 1) -> Tuple[dict, float]:
-    """Every ``stride``-th step, counts scaled so a source rank sends ``tokens_per_gpu x top_k`` assignments per step
-    on average (the routing shares are the trace's; the scale is the paper's batch, not our tiny model's)."""
+def _scale_trace(trace: dict, tokens_per_gpu: int, index: Optional[Sequence[int]] = None) -> Tuple[dict, float]:
+    """The steps ``index`` (default all) with counts scaled so a source rank sends ``tokens_per_gpu x top_k``
+    assignments per step on average (the routing shares are the trace's; the scale is the paper's batch, not our
+    tiny model's)."""
     c = torch.as_tensor(trace["counts"]).to(torch.float64)
-    idx = torch.arange(0, c.shape[0], stride)
+    idx = torch.arange(c.shape[0]) if index is None else torch.as_tensor(list(index), dtype=torch.long)
+    steps = torch.as_tensor(trace.get("steps", torch.arange(c.shape[0])))[idx]
     c = c[idx]
     k = int(trace.get("top_k") or 2)
     per_source = float(c.sum(-1).mean())
     factor = tokens_per_gpu * k / per_source if per_source > 0 else 1.0
-    steps = torch.as_tensor(trace.get("steps", torch.arange(c.shape[0] * stride)))[idx]
     return dict(trace, counts=c * factor, steps=steps), factor
+
+
+def _windows(S: int, windows: int, length: int) -> List[int]:
+    """``windows`` runs of ``length`` consecutive steps spread evenly over 0..S-1 (all steps when they cover it)."""
+    if windows * length >= S:
+        return list(range(S))
+    starts = [round(i * (S - length) / (windows - 1)) for i in range(windows)] if windows > 1 else [0]
+    return [s + j for s in starts for j in range(length)]
 
 
 def _strategies(cm, E: int, W: int):
@@ -374,8 +402,8 @@ def efficiency_over_training(out_dir: str, fast: bool, log=print, fallback_trace
     t0 = time.perf_counter()
     raw, what = _load_routing(fallback_trace)
     S, L, P, E = raw["counts"].shape
-    stride = max(1, math.ceil(S / 20)) if fast else 1
-    trace, factor = _scale_trace(raw, tokens_per_gpu, stride)
+    index = _windows(S, phases, 5) if fast else list(range(S))
+    trace, factor = _scale_trace(raw, tokens_per_gpu, index)
     prof = get_profile(PROFILE)
     W = world if E % world == 0 else E
     shape = LayerShape(768, 3072, E, bytes_per_element=prof.bytes_per_element)   # GPT-MoE-S widths (Table 1)
@@ -412,9 +440,8 @@ def efficiency_over_training(out_dir: str, fast: bool, log=print, fallback_trace
     table.add("FlexMoE", "all", "-", "100% (guaranteed)", "closest to 100%", "-", PAPER)
     table.notes += [
         f"routing: {what}; {S} recorded steps x {L} MoE layers x {P} source ranks x {E} experts"
-        + (f"; fast mode: one recorded step in {stride} ({n} steps; the planners decide from the previously sampled "
-           "step)"
-           if stride > 1 else "") + f"; rows remapped to {W} GPUs (GPU w replays source rank w % {P}), counts "
+        + (f"; fast mode: {phases} windows of 5 consecutive recorded steps spread over the run ({n} steps; a "
+           "window's first step is planned from the previous window's last)" if n < S else "") + f"; rows remapped to {W} GPUs (GPU w replays source rank w % {P}), counts "
         f"scaled x{factor:.3g} so each GPU routes {tokens_per_gpu} tokens x top-{raw.get('top_k') or 2} per step "
         "(the trace's routing shares at a paper-scale batch).",
         f"{src}: placement simulator (`placement.simulate`) on {W} GPUs of the {PROFILE} profile, {E} experts (one "
