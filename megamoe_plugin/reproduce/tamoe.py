@@ -430,10 +430,16 @@ def run(out_dir: str, fast: bool, log=print) -> dict:
         f"{TOPOLOGY} with the Table 1 fit bandwidths; model/training flags {' '.join(model)}; logs "
         f"tamoe_train_<gate>.log. Identical seeds, data order and initial weights; only the gate's balance loss "
         "differs (gshard: GShard loss on first choices; ta_moe: the topology-weighted loss).",
-        "measured time = training wall time to the target step on this machine (evaluation excluded; the links "
+        "the worse run reaches the target at its best evaluation by construction (its step count is a lower "
+        "bound). measured time = training wall time to the target step on this machine (evaluation excluded; the links "
         "are equal here, so TA-MoE cannot save communication time); speedup = gshard's time / this run's.",
         "off-node share: assignments whose expert is on the other node, counted from the run's routing trace "
-        "(an even dispatch sends 1/2 off-node).",
+        "(an even dispatch sends 1/2 off-node). Why the ta_moe run's share stays at ~1/2: the gate is one "
+        "replicated parameter whose gradient is averaged over the ranks (train.sync_gradients), each rank's "
+        "topology weights favour ITS node's experts, and the ranks' data shards are i.i.d.; on a symmetric tree "
+        "every expert gets the same summed weight over the ranks, so in expectation the preferences cancel and "
+        "the loss acts as a plain balance loss. Steering toward the target pattern would need a rank-dependent "
+        "gate (e.g. per-rank gate parameters or input), which megamoe_plugin does not have.",
         "predicted: each run's recorded routing per step and layer, each source's dispatch scaled to 128 MiB, "
         "through the Table 1 fit network; 4 all-to-alls per MoE layer per step; per step = the mean over the steps "
         "up to the target, time to target = their sum. Communication only (the part TA-MoE changes).",
