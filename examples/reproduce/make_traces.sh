@@ -19,6 +19,7 @@ WORK=${WORK:-/tmp/megamoe-traces}
 mkdir -p "$OUT" "$WORK"
 export OMP_NUM_THREADS=1
 
+if [ -z "${SKIP_MEGATRON:-}" ]; then
 echo "== Megatron adapter"
 rm -rf "$WORK/megatron" "$OUT"/megatron_gpt.rank*
 torchrun --standalone --nproc-per-node 2 examples/megatron/pretrain_moe_gpt.py --num-layers 4 --hidden-size 128 \
@@ -27,6 +28,7 @@ torchrun --standalone --nproc-per-node 2 examples/megatron/pretrain_moe_gpt.py -
   --expert-model-parallel-size 2 --moe-plugin --moe-plugin-gate gshard --moe-plugin-second-expert-policy all \
   --moe-plugin-trace-path "$OUT/megatron_gpt" --save "$WORK/megatron" --log-interval 50 \
   --data-cache-path "$WORK/megatron-data"
+fi
 
 echo "== fairseq adapter"
 rm -rf "$WORK/fairseq-ck" "$OUT"/fairseq_lm.rank*
@@ -38,6 +40,7 @@ fi
 torchrun --standalone --nproc-per-node 2 -m megamoe_plugin.fairseq_adapter.launch "$WORK/fairseq-bin" \
   --user-dir "$(megamoe fairseq-user-dir)" --task language_modeling --arch moe_transformer_lm_tiny \
   --moe-expert-count 16 --moe-gate gshard --moe-expert-parallel-size 2 --criterion moe_cross_entropy --cpu \
+  --distributed-backend gloo --ddp-backend legacy_ddp \
   --optimizer adam --lr 0.001 --tokens-per-sample 128 --batch-size 4 --max-update 200 --log-interval 50 \
   --log-format simple --save-dir "$WORK/fairseq-ck" --no-epoch-checkpoints --seed 1 --clip-norm 1.0 \
   --moe-trace-path "$OUT/fairseq_lm"
