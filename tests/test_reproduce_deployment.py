@@ -29,37 +29,16 @@ SOURCE = re.compile(r"^(measured here \((CPU|GPU .+)\)|predicted \(.+ cost model
 DYN = "dynamic (dropless)"
 
 
-def _small_trace(d):
-    """Until the shipped trace exists: a 16-expert top-2 model trained a few steps, traced in 16-token batches."""
-    from megamoe_plugin import train
-    from megamoe_plugin.inference import trace_cli
-    ck, prefix = os.path.join(d, "core.pt"), os.path.join(d, "deploy")
-    train.main(["--hidden", "32", "--layers", "2", "--heads", "2", "--ffn-hidden", "64", "--seq-len", "32",
-                "--batch-size", "8", "--steps", "8", "--corpus-bytes", "300000", "--threads", "2",
-                "--eval-interval", "0", "--eval-batches", "1", "--log-interval", "8", "--moe-num-experts", "16",
-                "--moe-top-k", "2", "--moe-gate", "naive", "--moe-every", "1", "--save", ck])
-    trace_cli.main(["--checkpoint", ck, "--trainer", "core", "--out", prefix, "--batches", "200", "--batch-size", "1",
-                    "--seq-len", "16", "--threads", "2"])
-    return prefix
-
-
 @pytest.fixture(scope="module")
 def out(tmp_path_factory):
     d = str(tmp_path_factory.mktemp("deployment"))
     threads = torch.get_num_threads()
     logged = []
-    with pytest.MonkeyPatch.context() as mp:           # one process, whatever launcher variables are set
-        for var in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-            mp.delenv(var, raising=False)
-        try:
-            try:
-                trace = common.shipped_trace(deployment.TRACE)
-            except FileNotFoundError:
-                trace = _small_trace(str(tmp_path_factory.mktemp("trace")))
-            res = deployment.run(d, fast=True, log=logged.append, trace=trace)
-        finally:
-            torch.set_num_threads(threads)
-    return d, res, "\n".join(str(x) for x in logged), load_trace(trace)
+    try:
+        res = deployment.run(d, fast=True, log=logged.append)        # the shipped deploy_small trace
+    finally:
+        torch.set_num_threads(threads)                             # the bench sets its own thread count
+    return d, res, "\n".join(str(x) for x in logged), load_trace(common.shipped_trace(deployment.TRACE))
 
 
 def _table(d, name):

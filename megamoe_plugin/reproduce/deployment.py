@@ -387,7 +387,7 @@ def run(out_dir: str, fast: bool, log=print, trace: Optional[str] = None, gating
     tr = load_trace(trace_path)
     S, L, _, E = tr["counts"].shape
     desc = (f"trace {os.path.basename(trace_path)} ({S} batches x {L} MoE layers x {E} experts, top-"
-            f"{tr.get('top_k', '?')}, {int(tr['counts'][0, 0].sum())} assignments in its first batch)")
+            f"{tr.get('top_k', '?')}, {int(tr['counts'][0, 0].sum())} assignments per layer in its first batch)")
     tables: List[Table] = []
     figures: List[str] = []
     gres = None
