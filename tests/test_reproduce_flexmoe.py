@@ -12,6 +12,7 @@ import os
 import re
 
 import pytest
+import torch
 
 from megamoe_plugin.reproduce import common, flexmoe
 
@@ -27,7 +28,9 @@ PAPER_PPL = {"BERT-MoE-S": (3.53, 3.14), "BERT-MoE-L": (3.31, 3.07), "GPT-MoE-S"
 def result(tmp_path_factory):
     out = str(tmp_path_factory.mktemp("flexmoe"))
     lines = []
+    threads = torch.get_num_threads()
     res = flexmoe.run(out, fast=True, log=lines.append)
+    assert torch.get_num_threads() == threads          # the training runs' --threads does not leak
     return out, res, "\n".join(str(l) for l in lines)
 
 
