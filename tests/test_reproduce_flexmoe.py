@@ -120,12 +120,13 @@ def test_table2_drops_vs_dropless(result):
 def test_fig6c_measured_and_predicted_rows_pair_up(result):
     rows = _table(result, "fig6c_cost_model")
     ours = [r for r in rows if r["source"] != "paper"]
+    models = {r["source"] for r in ours if r["source"].startswith("predicted")}
+    assert len(models) == 2                                 # calibrate()'s profile and the refit
     pairs = {}
     for r in ours:
-        kind = "measured" if r["source"].startswith("measured here") else "predicted"
         key = (r["operation"], r["input size"], r["points"])
-        assert kind not in pairs.setdefault(key, {}), key
-        pairs[key][kind] = r
+        assert r["source"] not in pairs.setdefault(key, {}), key
+        pairs[key][r["source"]] = r
     ops = {k[0] for k in pairs}
     assert ops == {"computation", "all-to-all", "all-reduce"}
     for op in ops:
@@ -133,19 +134,26 @@ def test_fig6c_measured_and_predicted_rows_pair_up(result):
     assert not any(k[0] == "all-reduce" and k[2] == "fit" for k in pairs)   # the calibration never fits it
     errors = {}
     for key, pair in pairs.items():
-        assert set(pair) == {"measured", "predicted"}, key
-        m, p = float(pair["measured"]["time (ms)"]), float(pair["predicted"]["time (ms)"])
-        assert m > 0 and p > 0
-        assert pair["measured"]["prediction error"] == "-"
-        err = _num(pair["predicted"]["prediction error"])
-        assert err == pytest.approx((p - m) / m, abs=2e-3 + 2e-3 * abs(p / m)), key
-        errors.setdefault((key[0], key[2]), []).append(abs((p - m) / m))
-    summary = {r["operation"]: r for r in _table(result, "fig6c_error_summary") if r["source"] != "paper"}
-    assert set(summary) == ops
-    for op, r in summary.items():
-        held = errors.get((op, "held-out"), [])
+        meas = [r for s, r in pair.items() if s.startswith("measured here")]
+        assert len(meas) == 1 and set(pair) - {meas[0]["source"]} == models, key
+        m = float(meas[0]["time (ms)"])
+        assert m > 0 and meas[0]["prediction error"] == "-"
+        lo, hi = (float(x) for x in meas[0]["min-max over rounds (ms)"].split("-"))
+        assert 0 < lo <= m * (1 + 1e-3) and m <= hi * (1 + 1e-3)          # the median lies within min-max
+        for model in models:
+            p = float(pair[model]["time (ms)"])
+            assert p > 0
+            err = _num(pair[model]["prediction error"])
+            assert err == pytest.approx((p - m) / m, abs=2e-3 + 2e-3 * abs(p / m)), (key, model)
+            errors.setdefault((model, key[0], key[2]), []).append(abs((p - m) / m))
+    summary = [r for r in _table(result, "fig6c_error_summary") if r["source"] != "paper"]
+    assert {(r["operation"], r["source"]) for r in summary} == {(op, m) for op in ops for m in models}
+    assert len(summary) == len(ops) * len(models)
+    for r in summary:
+        held = errors[(r["source"], r["operation"], "held-out")]
         assert int(r["held-out sizes"]) == len(held)
-        assert _num(r["mean abs. error (held-out)"]) == pytest.approx(sum(held) / len(held), abs=2e-3 + 2e-3 * max(held))
+        assert _num(r["mean abs. error (held-out)"]) == pytest.approx(sum(held) / len(held),
+                                                                     abs=2e-3 + 2e-3 * max(held))
 
 
 def test_fig7b_scaling(result):

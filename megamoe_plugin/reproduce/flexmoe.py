@@ -8,11 +8,13 @@ Four results, each a markdown table (every row says how it was obtained: ``commo
   all-to-all / all-reduce"): two gloo processes on this machine fit the cost model with ``perfmodel.calibrate``
   (``calibrate()``: expert-FFN GEMM throughput over 256-2048 tokens, all-to-all latency and bandwidth over 16 KiB-2
   MiB per pair, ping-pong); then the same processes time expert computation (forward + backward of one expert
-  FFN), uniform all-to-all and all-reduce at other sizes ("held-out") and the calibrated ``CostModel`` predicts
-  every point: ``3 x compute_time`` (Eq. 7 / FasterMoE Eq. 1, no intercept), ``alltoall_time`` (Eq. 8 on the
-  network) and ``sync_time`` (Eq. 9; all-reduce is never measured by the calibration, so every all-reduce point is
-  out of sample). One row per point and source (measured / predicted), and ``fig6c_error_summary`` with the mean
-  absolute relative error per operation beside the paper's "less than 3%".
+  FFN), uniform all-to-all and all-reduce at the calibration's sizes and at others ("held-out"), in interleaved
+  rounds, and the ``CostModel`` predicts every point: ``3 x compute_time`` (Eq. 7 / FasterMoE Eq. 1, no
+  intercept), ``alltoall_time`` (Eq. 8 on the network) and ``sync_time`` (Eq. 9; all-reduce is never fitted, so
+  every all-reduce point is out of sample), once with ``calibrate()``'s profile and once with the same line fits
+  redone on this run's timings at the calibration's sizes (``refit-here``: the model's form without the noise of
+  the calibration's own back-to-back timings). One row per point and source (measured / each prediction), and
+  ``fig6c_error_summary`` with the mean absolute relative error per operation beside the paper's "less than 3%".
 * ``table2_quality`` (Table 2, model quality with vs without token drops): ``megamoe train`` runs of one tiny MoE
   GPT on the embedded real-text corpus, same seed / data / steps, top-2 GShard gate, balance loss 0.001 (paper
   001 §5.1), differing only in dispatch: GShard/DeepSpeed capacity with factor 1.0 (drops what overflows) vs
@@ -60,7 +62,8 @@ __all__ = ["run", "cost_model_accuracy", "quality_with_drops", "efficiency_over_
 
 PROFILE = "flexmoe-a100"
 GEMM_SHAPE = (256, 1024)                # H, F of the expert FFN timed in fig6c (calibrate's measure_gemm default)
-CALIBRATED = "calibrated-here"          # the name of the profile fitted on this machine (fig6c)
+CALIBRATED = "calibrated-here"          # the profile calibrate() fits on this machine (fig6c)
+REFIT = "refit-here"                    # the same fits on fig6c's interleaved timings
 
 # Paper 001 Table 2 (validation perplexity, lower is better): DeepSpeed (capacity 1.0, drops) vs FlexMoE (dropless)
 PAPER_TABLE2 = [("BERT-MoE-S", 3.53, 3.14), ("BERT-MoE-L", 3.31, 3.07), ("GPT-MoE-S", 12.2, 11.72),
@@ -143,8 +146,30 @@ def _run_cost_worker(fast: bool, nproc: int = 2) -> dict:
             return json.load(f)
 
 
+def _refit_profile(raw_points, profile, nproc: int, H: int, F: int):
+    """``profile`` with its GEMM throughput and all-to-all link refitted by ``calibrate``'s own line fits
+    (``_fit_line``: t = t0 + 12 B H F / P, t = alpha + (P - 1) S / W) on this run's interleaved medians at the
+    calibration's sizes."""
+    import copy
+
+    from ..perfmodel.calibrate import _fit_line
+    out = copy.deepcopy(profile)
+    out.name, out.source = REFIT, "fig6c: calibrate()'s fits on the interleaved medians of its own sizes"
+    g = [(12.0 * size * H * F, t) for op, size, subset, t, _, _ in raw_points if op == "computation" and subset == "fit"]
+    a = [((nproc - 1) * size, t) for op, size, subset, t, _, _ in raw_points if op == "all-to-all" and subset == "fit"]
+    if len(g) >= 2:
+        _, inv = _fit_line(*zip(*g))
+        out.gemm_tflops = (1.0 / inv if inv > 0 else max(x / y for x, y in g)) / 1e12
+    if len(a) >= 2:
+        alpha, inv = _fit_line(*zip(*a))
+        out.intra_bandwidth_gbps = (1.0 / inv if inv > 0 else max(x / y for x, y in a)) / 1e9
+        out.intra_latency_us = max(alpha, 0.0) * 1e6
+    return out
+
+
 def cost_model_accuracy(out_dir: str, fast: bool, log=print, nproc: int = 2) -> Tuple[List[Table], List[str]]:
-    """Fig. 6(c): measured vs predicted time of computation / all-to-all / all-reduce on this machine."""
+    """Fig. 6(c): measured vs predicted time of computation / all-to-all / all-reduce on this machine, predicted by
+    the cost model with ``calibrate()``'s profile and with the same fits redone on this run's interleaved timings."""
     from ..perfmodel.cost import LayerShape
     from ..perfmodel.profiles import HardwareProfile
 
@@ -152,107 +177,101 @@ def cost_model_accuracy(out_dir: str, fast: bool, log=print, nproc: int = 2) -> 
     res = _run_cost_worker(fast, nproc)
     profile = HardwareProfile.from_dict(res["profile"])
     H, F = GEMM_SHAPE
+    refit = _refit_profile(res["points"], profile, nproc, H, F)
     shape = LayerShape(H, F, nproc, bytes_per_element=profile.bytes_per_element)
-    cm = profile.cost_model(shape, nproc)
-    points = []        # (operation, size label, size, subset, measured s, predicted s, min s, max s)
+    models = [(predicted(CALIBRATED), profile.cost_model(shape, nproc)),
+              (predicted(REFIT), refit.cost_model(shape, nproc))]
+    points = []        # (operation, size label, size, subset, measured s, {model: predicted s}, min s, max s)
     for op, size, subset, t, lo, hi in res["points"]:
-        if op == "computation":
-            label, pred = f"{int(size)} tokens", 3.0 * cm.compute_time([size] * nproc)
-        elif op == "all-to-all":
-            traffic = torch.full((nproc, nproc), size / shape.token_bytes, dtype=torch.float64)
-            label, pred = f"{_kib(size)} per pair", cm.alltoall_time(traffic)
-        else:
-            label, pred = _kib(size), cm.sync_time(size, range(nproc))
-        points.append((op, label, size, subset, t, pred, lo, hi))
+        preds = {}
+        for name, cm in models:
+            if op == "computation":
+                preds[name] = 3.0 * cm.compute_time([size] * nproc)
+            elif op == "all-to-all":
+                preds[name] = cm.alltoall_time(torch.full((nproc, nproc), size / shape.token_bytes,
+                                                          dtype=torch.float64))
+            else:
+                preds[name] = cm.sync_time(size, range(nproc))
+        label = f"{int(size)} tokens" if op == "computation" else \
+            f"{_kib(size)} per pair" if op == "all-to-all" else _kib(size)
+        points.append((op, label, size, subset, t, preds, lo, hi))
     ops = ("computation", "all-to-all", "all-reduce")
     points.sort(key=lambda p: (ops.index(p[0]), p[2]))
 
     where = measured()
-    model = predicted(CALIBRATED)
     table = Table("fig6c_cost_model", f"Fig. 6(c): cost model vs measured time on this machine ({nproc} gloo "
                   "processes)", ["operation", "input size", "points", "time (ms)", "min-max over rounds (ms)",
                                  "prediction error", "source"], fmt="{:.4g}")
-    for op, label, _, subset, t, pred, lo, hi in points:
+    for op, label, _, subset, t, preds, lo, hi in points:
         table.add(op, label, subset, t * 1e3, f"{lo * 1e3:.4g}-{hi * 1e3:.4g}", "-", where)
-        table.add(op, label, subset, pred * 1e3, "-", _pct((pred - t) / t), model)
+        for name, _ in models:
+            table.add(op, label, subset, preds[name] * 1e3, "-", _pct((preds[name] - t) / t), name)
     table.add("computation / all-to-all / all-reduce", "several (Fig. 6(c))", "-", "-", "-", "< 3% on average",
               PAPER)
+
+    def link(p):
+        return (f"{p.gemm_tflops * 1e3:.1f} GFLOP/s, all-to-all link {p.intra_bandwidth_gbps:.2f} GB/s, alpha "
+                f"{p.intra_latency_us:.0f} us")
+
     table.notes += [
         f"{where}: the slowest of {nproc} gloo processes on this machine, median over {res['rounds']} interleaved "
         "rounds (each round times every size once, so load from other jobs on the shared CPU cores hits all sizes "
-        f"alike; the min-max column shows how much it did). {model}: the cost model of `perfmodel.cost` "
-        "with the profile `perfmodel.calibrate.calibrate()` fitted in the same processes just before; 'fit' = the "
-        "sizes the calibration measured and fitted (its own timings, not these), 'held-out' = other sizes (out of "
-        "sample). All-reduce is not part of the calibration: the prediction is the network model's ring "
-        "all-reduce (Eq. 9 without a profiled BPS).",
-        f"computation: forward + backward of one expert FFN H={H} F={F} (fp32, GELU) = 3 x Eq. 1 / Eq. 7, with the "
-        f"fitted {profile.gemm_tflops * 1e3:.1f} GFLOP/s and no per-call intercept (the calibration fitted "
-        "t0 but the cost model has none, as in the paper's T_C = I / TPS); all-to-all: uniform "
-        f"`all_to_all_single`, Eq. 8 over the calibrated link ({profile.intra_bandwidth_gbps:.2f} GB/s, "
-        f"{profile.intra_latency_us:.0f} us); all-reduce: `dist.all_reduce` of fp32 tensors.",
-        "prediction error = (predicted - measured) / measured.",
-        _refit_note(points, profile, nproc, H, F),
+        "alike; the min-max column shows how much it did).",
+        f"{models[0][0]}: the cost model of `perfmodel.cost` with the profile `perfmodel.calibrate.calibrate()` "
+        f"fitted in the same processes just before from its own back-to-back timings ({link(profile)}). "
+        f"{models[1][0]}: the same cost model and the same line fits (`calibrate._fit_line`) redone on this table's "
+        f"medians at the calibration's sizes ({link(refit)}): how good the model's form is when its fit is not "
+        "disturbed. 'fit' = the calibration's sizes (in-sample for the refit), 'held-out' = other sizes (out of "
+        "sample for both). All-reduce is fitted by neither: its prediction is the network model's ring all-reduce "
+        "over the fitted link (Eq. 9 without a profiled BPS).",
+        f"computation: forward + backward of one expert FFN H={H} F={F} (fp32, GELU) = 3 x Eq. 1 / Eq. 7, no "
+        "per-call intercept (as the paper's T_C = I / TPS); all-to-all: uniform `all_to_all_single`, Eq. 8; "
+        "all-reduce: `dist.all_reduce` of fp32 tensors. prediction error = (predicted - measured) / measured.",
         f"took {time.perf_counter() - t0:.0f} s"]
 
     summary = Table("fig6c_error_summary", "Fig. 6(c): mean absolute prediction error of the cost model",
                     ["operation", "held-out sizes", "mean abs. error (held-out)", "fit sizes",
                      "mean abs. error (fit)", "max abs. error (all)", "compared with", "source"])
-    for op in ops:
-        held = [abs(p[5] - p[4]) / p[4] for p in points if p[0] == op and p[3] == "held-out"]
-        fit = [abs(p[5] - p[4]) / p[4] for p in points if p[0] == op and p[3] == "fit"]
-        summary.add(op, len(held), f"{statistics.mean(held):.1%}" if held else "-", len(fit),
-                    f"{statistics.mean(fit):.1%}" if fit else "-", f"{max(held + fit):.1%}", where, model)
+    for name, _ in models:
+        for op in ops:
+            held = [abs(p[5][name] - p[4]) / p[4] for p in points if p[0] == op and p[3] == "held-out"]
+            fit = [abs(p[5][name] - p[4]) / p[4] for p in points if p[0] == op and p[3] == "fit"]
+            summary.add(op, len(held), f"{statistics.mean(held):.1%}" if held else "-", len(fit),
+                        f"{statistics.mean(fit):.1%}" if fit else "-", f"{max(held + fit):.1%}", where, name)
     summary.add("computation / all-to-all / all-reduce", "-", "< 3% (average)", "-", "-", "-",
                 "their real execution cost", PAPER)
     summary.notes += ["Errors of the predicted rows of fig6c_cost_model against the measured rows of the same size. "
                       "The paper's cost model is profiled on 8-GPU A100 servers with NCCL (kernels on dedicated "
-                      "GPUs); ours on CPU processes sharing two busy cores, so timing noise alone can exceed 3%."]
+                      "GPUs); ours on CPU processes sharing two busy cores, so timing noise alone can exceed 3%, "
+                      "and calibrate()'s back-to-back timings can be hit by a burst of load (compare its row with "
+                      "the refit's)."]
 
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import NullFormatter
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    styles = {models[0][0]: ("-", "tab:red"), models[1][0]: ("--", "tab:purple")}
     for ax, op in zip(axes, ops):
         pts = [p for p in points if p[0] == op]
         xs = [p[2] for p in pts]
-        ax.plot(xs, [p[5] * 1e3 for p in pts], "-", color="tab:red", label=f"predicted ({CALIBRATED} model)")
+        for name, _ in models:
+            ls, color = styles[name]
+            ax.plot(xs, [p[5][name] * 1e3 for p in pts], ls, color=color, label=name)
         for subset, marker in (("fit", "o"), ("held-out", "s")):
             sel = [p for p in pts if p[3] == subset]
             if sel:
                 ax.errorbar([p[2] for p in sel], [p[4] * 1e3 for p in sel],
                             yerr=[[(p[4] - p[6]) * 1e3 for p in sel], [(p[7] - p[4]) * 1e3 for p in sel]],
-                            fmt=marker, color="tab:blue", capsize=2, label=f"measured here ({subset} sizes)")
+                            fmt=marker, color="tab:blue", capsize=2, label=f"{where} ({subset} sizes)")
         ax.set_xscale("log")
         ax.set_yscale("log")
-        from matplotlib.ticker import NullFormatter
         ax.xaxis.set_minor_formatter(NullFormatter())
         ax.yaxis.set_minor_formatter(NullFormatter())
         ax.set_xlabel("tokens" if op == "computation" else "bytes" + (" per pair" if op == "all-to-all" else ""))
         ax.set_ylabel("time (ms)")
         ax.set_title(op)
-        ax.legend(fontsize=7)
+        ax.legend(fontsize=6)
     fig.suptitle("FlexMoE Fig. 6(c) on this machine: cost model estimate vs measured time (median, min-max bars)")
     return [table, summary], [save_figure(fig, out_dir, "fig6c_cost_model")]
-
-
-def _refit_note(points, profile, nproc: int, H: int, F: int) -> str:
-    """What the same fits (``calibrate._fit_line``) give on this table's own medians at the calibration's sizes,
-    beside what ``calibrate()`` fitted from its own back-to-back timings: how much of the error is the fit's."""
-    from ..perfmodel.calibrate import _fit_line
-    g = [(12.0 * p[2] * H * F, p[4]) for p in points if p[0] == "computation" and p[3] == "fit"]
-    a = [((nproc - 1) * p[2], p[4]) for p in points if p[0] == "all-to-all" and p[3] == "fit"]
-    parts = []
-    if len(g) >= 2:
-        t0, inv = _fit_line(*zip(*g))
-        if inv > 0:
-            parts.append(f"GEMM {1e-9 / inv:.1f} GFLOP/s (+{t0 * 1e3:.2f} ms per call) vs calibrate()'s "
-                         f"{profile.gemm_tflops * 1e3:.1f} GFLOP/s")
-    if len(a) >= 2:
-        alpha, inv = _fit_line(*zip(*a))
-        if inv > 0:
-            parts.append(f"all-to-all {1e-9 / inv:.2f} GB/s, alpha {alpha * 1e6:.0f} us vs calibrate()'s "
-                         f"{profile.intra_bandwidth_gbps:.2f} GB/s, {profile.intra_latency_us:.0f} us")
-    return ("the same line fits on this table's medians at the fit sizes give " + "; ".join(parts) +
-            " (a large gap means the calibration's own timings were disturbed; the predictions above use "
-            "calibrate()'s numbers)") if parts else "no refit possible"
 
 
 def _kib(nbytes) -> str:
