@@ -14,7 +14,6 @@ here from paper 004's text) in `paper` rows beside ours, and what holds on any m
 - Max Load >= Avg Max Load >= 1/D; the identity placement's loads recomputed here from the trace.
 """
 import os
-import re
 
 import numpy as np
 import pytest
@@ -23,9 +22,8 @@ import torch
 from megamoe_plugin.reproduce import common, deployment
 from megamoe_plugin.reproduce.common import parse_markdown_table
 from megamoe_plugin.stats import load_trace
+from reproduce_checks import check_tables_and_figures
 
-PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
-SOURCE = re.compile(r"^(measured here \((CPU|GPU .+)\)|predicted \(.+ cost model\)|paper)$")
 DYN = "dynamic (dropless)"
 
 
@@ -57,20 +55,7 @@ def test_files_sources_and_printed(out):
     assert {os.path.basename(p)[:-3] for p in res["tables"]} == want
     assert {os.path.basename(p)[:-4] for p in res["figures"]} == {"fig9_throughput", "fig10_memory",
                                                                   "fig12_miss_rate", "fig14_load_balance"}
-    for p in res["tables"]:
-        text = open(p).read()
-        assert text.splitlines()[0] in logged          # every table is printed
-        rows = parse_markdown_table(text)
-        for r in rows:
-            assert SOURCE.match(r["source"]), (p, r)
-        assert any(r["source"] == "paper" for r in rows), p
-        assert any(r["source"].startswith("measured here") for r in rows), p
-    import matplotlib.image as mpimg
-    for p in res["figures"]:
-        with open(p, "rb") as f:
-            assert f.read(8) == PNG_MAGIC
-        img = mpimg.imread(p)
-        assert img.ndim == 3 and img.shape[0] > 200 and img.shape[1] > 200
+    check_tables_and_figures(res, logged)
 
 
 def test_gating_drops_and_memory(out):

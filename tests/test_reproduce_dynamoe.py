@@ -9,16 +9,14 @@ factor is its label's factor, caching is on after an epoch only where the paper'
 """
 import math
 import os
-import re
 
 import pytest
 import torch
 
 from megamoe_plugin import reproduce
 from megamoe_plugin.reproduce.common import parse_markdown_table
+from reproduce_checks import check_tables_and_figures
 
-PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
-SOURCE = re.compile(r"^(measured here \((CPU|GPU .+)\)|predicted \(.+ cost model\)|paper)$")
 RUNS = ["static CF=1", "static CF=2", "static CF=4", "static no-drop", "dynamic", "dynamic spread=0",
         "dynamic+cache"]
 
@@ -48,20 +46,8 @@ def test_files_and_sources(out):
     names = {os.path.basename(p) for p in res["tables"]}
     assert names == {"fig9_runtime_vs_loss.md", "fig10_cached_fraction.md", "anchors.md"}
     assert {os.path.basename(p) for p in res["figures"]} == {"fig9_runtime_vs_loss.png", "fig10_cached_fraction.png"}
-    for p in res["tables"]:
-        assert os.path.dirname(p) == d
-        rows = parse_markdown_table(open(p).read())
-        assert rows
-        for r in rows:
-            assert SOURCE.match(r["source"]), (p, r)
-        assert any(r["source"] == "paper" for r in rows), p
-        assert any(r["source"].startswith("measured here") for r in rows), p
-    import matplotlib.image as mpimg
-    for p in res["figures"]:
-        with open(p, "rb") as f:
-            assert f.read(8) == PNG_MAGIC
-        img = mpimg.imread(p)
-        assert img.ndim == 3 and img.shape[0] > 200 and img.shape[1] > 200
+    assert all(os.path.dirname(p) == d for p in res["tables"])
+    check_tables_and_figures(res)
 
 
 def test_fig9_measured_rows(out):

@@ -6,36 +6,26 @@ the optimisations are defined (Algorithm 1 only accepts a shadowing that lowers 
 timeline never exceeds the sequential execution of the same operations), never computed by the code under test.
 """
 import os
-import re
 
 import pytest
 import torch
 
 from megamoe_plugin.reproduce import common, fastermoe
+from reproduce_checks import SOURCE as SOURCE_RE, read_table, run_fast
 
-SOURCE_RE = re.compile(r"^(paper|measured here \((CPU|GPU .+)\)|predicted \(.+ cost model\))$")
 NAMES = ["fastermoe_fig11", "fastermoe_fig13", "fastermoe_fig9", "fastermoe_table3"]
 
 
 @pytest.fixture(scope="module")
 def result(tmp_path_factory):
-    saved = {k: os.environ.pop(k) for k in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
-             if k in os.environ}
     out = str(tmp_path_factory.mktemp("fastermoe"))
-    printed = []
-    try:
-        res = fastermoe.run(out, fast=True, log=printed.append)
-    finally:
-        os.environ.update(saved)
-    return out, res, "\n".join(printed)
+    res, printed = run_fast(fastermoe, out)
+    return out, res, printed
 
 
 def _table(result, name):
     out, res, _ = result
-    path = os.path.join(out, f"{name}.md")
-    assert path in res["tables"]
-    with open(path) as f:
-        return common.parse_markdown_table(f.read())
+    return read_table(res, out, name)
 
 
 def _num(cell):

@@ -9,14 +9,13 @@ normalisation recomputed from its own columns, and the paper's Table 2 numbers a
 """
 import math
 import os
-import re
 
 import pytest
 import torch
 
 from megamoe_plugin.reproduce import common, flexmoe
+from reproduce_checks import SOURCE as SOURCE_RE
 
-SOURCE_RE = re.compile(r"^(measured here \((CPU|GPU .+)\)|predicted \(.+ cost model\)|paper)$")
 TABLES = {"fig6c_cost_model", "fig6c_error_summary", "table2_quality", "fig7a_efficiency", "fig7b_scaling"}
 FIGURES = {"fig6c_cost_model", "fig7a_efficiency", "fig7b_scaling"}
 # paper 001 Table 2, validation perplexity: (DeepSpeed, FlexMoE), copied from the paper's text

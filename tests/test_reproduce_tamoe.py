@@ -10,30 +10,21 @@ import re
 import pytest
 import torch
 
-from megamoe_plugin.reproduce import common, tamoe
+from megamoe_plugin.reproduce import tamoe
+from reproduce_checks import SOURCE as SOURCE_RE, read_table, run_fast
 
-SOURCE_RE = re.compile(r"^(paper|measured here \((CPU|GPU .+)\)|predicted \(.+ cost model\))$")
 
 
 @pytest.fixture(scope="module")
 def result(tmp_path_factory):
-    saved = {k: os.environ.pop(k) for k in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
-             if k in os.environ}
     out = str(tmp_path_factory.mktemp("tamoe"))
-    printed = []
-    try:
-        res = tamoe.run(out, fast=True, log=printed.append)
-    finally:
-        os.environ.update(saved)
-    return out, res, "\n".join(printed)
+    res, printed = run_fast(tamoe, out)
+    return out, res, printed
 
 
 def _table(result, name):
     out, res, _ = result
-    path = os.path.join(out, f"{name}.md")
-    assert path in res["tables"]
-    with open(path) as f:
-        return common.parse_markdown_table(f.read())
+    return read_table(res, out, name)
 
 
 def _num(cell):
