@@ -338,6 +338,23 @@ def write_heatmap(trace: dict, path: str, title: str = "") -> str:
 
 
 def main(argv: Optional[List[str]] = None) -> dict:
+    """`megamoe trace` (module docstring). A process group the Megatron loader starts here is torn down again, so
+    a caller's process (a test, a notebook) is left as it was."""
+    import torch.distributed as dist
+    started_here = not (dist.is_available() and dist.is_initialized())
+    try:
+        return _main(argv)
+    finally:
+        if started_here and dist.is_available() and dist.is_initialized():
+            try:
+                from megatron.core import parallel_state
+                parallel_state.destroy_model_parallel()
+            except ImportError:
+                pass
+            dist.destroy_process_group()
+
+
+def _main(argv: Optional[List[str]] = None) -> dict:
     p = argparse.ArgumentParser(prog="megamoe trace", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--checkpoint", required=True, help="checkpoint file (core: also PATH of PATH.rank<r> shards; "

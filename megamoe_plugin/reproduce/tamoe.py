@@ -99,10 +99,14 @@ def _entry(rank: int, world: int, init_file: str, fn, args) -> None:
 def fork_processes(fn, world: int, *args) -> None:
     """Run ``fn(rank, world, *args)`` in `world` gloo processes of this machine (one intra-op thread each,
     WORLD_SIZE/RANK set so that ``megamoe train`` inside uses them). Forked where the OS allows it (children
-    inherit the imported modules: no 10 s of re-imports per run on a busy machine), else spawned (then `fn` must
-    be a module-level function). A failing rank fails the call."""
+    inherit the imported modules: no 10 s of re-imports per run on a busy machine) unless this process has a
+    default process group, else spawned (then `fn` must be a module-level function). A failing rank fails the
+    call."""
     import torch.multiprocessing as mp
-    method = "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
+    # a fork would inherit an initialized default process group of this process (its children could not start
+    # their own): spawn then
+    inherited = dist.is_available() and dist.is_initialized()
+    method = "fork" if "fork" in multiprocessing.get_all_start_methods() and not inherited else "spawn"
     with tempfile.TemporaryDirectory() as d:
         mp.start_processes(_entry, args=(world, os.path.join(d, "init"), fn, args), nprocs=world, join=True,
                            start_method=method)
