@@ -32,7 +32,7 @@ is the task's sequence length: ``--tokens-per-sample`` (+1 with ``--add-bos-toke
 from __future__ import annotations
 
 import logging
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, Optional, Tuple
 
 import torch
 import torch.distributed as dist

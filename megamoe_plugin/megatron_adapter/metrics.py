@@ -11,7 +11,7 @@ replicas, moves, ...) go there as ``moe_placement/<key>`` (``write_placement_met
 """
 from __future__ import annotations
 
-from typing import Dict, Optional
+from typing import Dict
 
 import torch
 import torch.distributed as dist
