@@ -175,9 +175,10 @@ class DynamicRuntime:
             out["cache_policy"] = self.cache_policy.state_dict()
         return out
 
-    def load_state_dict(self, state: dict, keep_cache: bool = True) -> None:
+    def load_state_dict(self, state: dict, keep_cache: bool = True) -> int:
         """Restore ``state_dict``; what this run does not use (dynamic capacity off, no cache, or `keep_cache`
-        False: the sample indices may mean other samples now) is dropped, also from the pending decisions."""
+        False: the sample indices may mean other samples now) is dropped, also from the pending decisions.
+        Returns how many pending decisions were restored (the adapters log it)."""
         use_capacity = self.capacity_policy is not None
         use_cache = self.cache is not None and keep_cache and "cache" in state
         if use_capacity:
@@ -196,6 +197,7 @@ class DynamicRuntime:
         pending = {int(step): [(s, {k: v for k, v in (d or {}).items() if k in keep} or None) for s, d in results]
                    for step, results in state.get("pending", {}).items()}
         self.recompiler.restore(pending)
+        return sum(d is not None for results in pending.values() for _, d in results)
 
     def close(self) -> None:
         self.recompiler.close()

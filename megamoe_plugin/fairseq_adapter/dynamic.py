@@ -238,12 +238,11 @@ class FairseqDynamic:
             caches = [states[r]["cache"] for r in sorted(states) if "cache" in states[r]]
             if caches:
                 st["cache"] = AssignmentCache.merge_states(caches)
-        self.rt.load_state_dict(st, keep_cache=not reset_cache)
+        pending = self.rt.load_state_dict(st, keep_cache=not reset_cache)
         self._epochs_logged = len(self.rt.cache_history())
-        pending = st.get("pending", {}) if self.rt.capacity_policy is not None or not reset_cache else {}
         caps = {lid: c for lid, c in st.get("capacity", {}).items() if c is not None}
         logger.info("megamoe-plugin: DynaMoE state restored: capacities %s, %d pending decision(s)%s",
-                    caps or "from the capacity factor", sum(bool(d) for v in pending.values() for _, d in v),
+                    caps or "from the capacity factor", pending,
                     f", assignment caching {'on' if self.cache.active else 'off'}"
                     if self.cache is not None and not reset_cache and "cache" in st else "")
 

@@ -51,8 +51,9 @@ from typing import Dict, List, Optional
 
 import torch
 
-from .common import PAPER, Table, header, measured, predicted, print_tables, save_figure, shipped_trace
-from .tamoe import (common_target, fork_processes, machine_note, offnode_share, time_to_target,
+from .common import (PAPER, Table, fork_processes, header, measured, predicted, print_tables, save_figure,
+                     shipped_trace)
+from .tamoe import (common_target, machine_note, offnode_share, time_to_target,
                     train_in_workers, warm_up_in_workers)
 
 __all__ = ["run", "PAPER_FIG9_R2", "PAPER_FIG11", "PAPER_FIG13", "PAPER_TABLE3", "RUNS"]

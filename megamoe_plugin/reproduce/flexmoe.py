@@ -56,7 +56,8 @@ from typing import List, Optional, Sequence, Tuple
 
 import torch
 
-from .common import PAPER, Table, header, measured, predicted, print_tables, save_figure, shipped_trace
+from .common import (PAPER, Table, fork_processes, header, measured, predicted, print_tables, save_figure,
+                     shipped_trace)
 
 __all__ = ["run", "cost_model_accuracy", "quality_with_drops", "efficiency_over_training", "scaling"]
 
@@ -89,7 +90,7 @@ def _pct(x: float) -> str:
 
 
 # ================================================================================================ Fig. 6(c)
-def _cost_worker(rank: int, world: int, init_file: str, result_file: str, fast: bool) -> None:
+def _cost_worker(rank: int, world: int, result_file: str, fast: bool) -> None:
     """Calibrate (``perfmodel.calibrate.calibrate``), then time every size of the three operations in interleaved
     rounds (each round visits every size once, so a burst of load from other jobs hits all sizes alike) and keep
     the median over rounds of the slowest rank's time."""
@@ -98,50 +99,43 @@ def _cost_worker(rank: int, world: int, init_file: str, result_file: str, fast: 
     from ..experts import ExpertBank
     from ..perfmodel.calibrate import _timed, calibrate
 
-    os.environ.pop("LOCAL_WORLD_SIZE", None)          # one node of `world` ranks (Topology.from_env)
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    try:
-        cal = calibrate(name=CALIBRATED, quick=False, device="cpu")
-        cpu, group = torch.device("cpu"), dist.group.WORLD
-        fit_tokens = [int(b) for b, _ in cal.gemm["points"]]
-        fit_a2a = [int(b) for b, _ in cal.alltoall["points"]]
-        held_tokens = (128, 512, 1536) if fast else (128, 512, 1536, 3072, 6144)
-        held_a2a = (1 << 15, 1 << 18, 1 << 20) if fast else (1 << 13, 1 << 15, 1 << 18, 1 << 20, 1 << 22)
-        ar_sizes = (1 << 16, 1 << 20, 1 << 22) if fast else (1 << 14, 1 << 16, 1 << 18, 1 << 20, 1 << 22, 1 << 23)
-        H, F = GEMM_SHAPE
-        bank = ExpertBank(1, H, F, "gelu", device=cpu)          # measure_gemm's expert FFN
-        cases = []                                               # (op, size, subset, fn)
-        for tokens in sorted(set(fit_tokens) | set(held_tokens)):
-            x = torch.randn(tokens, H, requires_grad=True)
-            cases.append(("computation", tokens, "fit" if tokens in fit_tokens else "held-out",
-                          lambda x=x, b=tokens: bank(x, [b]).sum().backward()))
-        for size in sorted(set(fit_a2a) | set(held_a2a)):
-            inp = torch.randn(world * max(size // 4, 1))
-            out = torch.empty_like(inp)
-            cases.append(("all-to-all", size, "fit" if size in fit_a2a else "held-out",
-                          lambda i=inp, o=out: dist.all_to_all_single(o, i)))
-        for size in ar_sizes:
-            buf = torch.randn(max(size // 4, 1))
-            cases.append(("all-reduce", size, "held-out", lambda b=buf: dist.all_reduce(b)))
-        times = [[] for _ in cases]
-        for r in range(5 if fast else 9):
-            for i, (_, _, _, fn) in enumerate(cases):
-                times[i].append(_timed(fn, 1, 1 if r == 0 else 0, cpu, group))
-        if rank == 0:
-            with open(result_file, "w") as f:
-                json.dump({"profile": cal.profile.to_dict(), "rounds": len(times[0]),
-                           "points": [[op, size, subset, statistics.median(t), min(t), max(t)]
-                                      for (op, size, subset, _), t in zip(cases, times)]}, f)
-    finally:
-        dist.destroy_process_group()
+    cal = calibrate(name=CALIBRATED, quick=False, device="cpu")
+    cpu, group = torch.device("cpu"), dist.group.WORLD
+    fit_tokens = [int(b) for b, _ in cal.gemm["points"]]
+    fit_a2a = [int(b) for b, _ in cal.alltoall["points"]]
+    held_tokens = (128, 512, 1536) if fast else (128, 512, 1536, 3072, 6144)
+    held_a2a = (1 << 15, 1 << 18, 1 << 20) if fast else (1 << 13, 1 << 15, 1 << 18, 1 << 20, 1 << 22)
+    ar_sizes = (1 << 16, 1 << 20, 1 << 22) if fast else (1 << 14, 1 << 16, 1 << 18, 1 << 20, 1 << 22, 1 << 23)
+    H, F = GEMM_SHAPE
+    bank = ExpertBank(1, H, F, "gelu", device=cpu)          # measure_gemm's expert FFN
+    cases = []                                               # (op, size, subset, fn)
+    for tokens in sorted(set(fit_tokens) | set(held_tokens)):
+        x = torch.randn(tokens, H, requires_grad=True)
+        cases.append(("computation", tokens, "fit" if tokens in fit_tokens else "held-out",
+                      lambda x=x, b=tokens: bank(x, [b]).sum().backward()))
+    for size in sorted(set(fit_a2a) | set(held_a2a)):
+        inp = torch.randn(world * max(size // 4, 1))
+        out = torch.empty_like(inp)
+        cases.append(("all-to-all", size, "fit" if size in fit_a2a else "held-out",
+                      lambda i=inp, o=out: dist.all_to_all_single(o, i)))
+    for size in ar_sizes:
+        buf = torch.randn(max(size // 4, 1))
+        cases.append(("all-reduce", size, "held-out", lambda b=buf: dist.all_reduce(b)))
+    times = [[] for _ in cases]
+    for r in range(5 if fast else 9):
+        for i, (_, _, _, fn) in enumerate(cases):
+            times[i].append(_timed(fn, 1, 1 if r == 0 else 0, cpu, group))
+    if rank == 0:
+        with open(result_file, "w") as f:
+            json.dump({"profile": cal.profile.to_dict(), "rounds": len(times[0]),
+                       "points": [[op, size, subset, statistics.median(t), min(t), max(t)]
+                                  for (op, size, subset, _), t in zip(cases, times)]}, f)
 
 
 def _run_cost_worker(fast: bool, nproc: int = 2) -> dict:
-    import torch.multiprocessing as mp
     with tempfile.TemporaryDirectory() as d:
         result = os.path.join(d, "result.json")
-        mp.spawn(_cost_worker, args=(nproc, os.path.join(d, "init"), result, fast), nprocs=nproc, join=True)
+        fork_processes(_cost_worker, nproc, result, fast)
         with open(result) as f:
             return json.load(f)
 

@@ -35,7 +35,7 @@ steps to the target. On this machine the links are equal, so the measured wall t
 
 ``--fast`` (CI): 8 MiB exchanges, 40 training steps of a tiny model; full: 128 MiB, 300 steps of a small one.
 
-The helpers ``fork_processes``, ``train_in_workers``, ``warm_up_in_workers``, ``time_to_target`` and
+The helpers ``train_in_workers``, ``warm_up_in_workers``, ``time_to_target`` and
 ``offnode_share`` are shared with ``reproduce/fastermoe.py``. Before the timed runs a few silent steps warm the
 processes up (the first run would otherwise pay one-time costs).
 """
@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import multiprocessing
 import os
 import statistics
 import tempfile
@@ -53,9 +52,9 @@ from typing import Dict, List, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from .common import PAPER, Table, header, measured, predicted, print_tables, save_figure
+from .common import PAPER, Table, fork_processes, header, measured, predicted, print_tables, save_figure
 
-__all__ = ["run", "PAPER_TABLE1", "PATTERNS", "fitted_topology", "fork_processes", "train_in_workers",
+__all__ = ["run", "PAPER_TABLE1", "PATTERNS", "fitted_topology", "train_in_workers",
            "warm_up_in_workers", "time_to_target", "common_target", "offnode_share", "machine_note"]
 
 MIB = 2 ** 20
@@ -83,33 +82,6 @@ FULL_MODEL = ["--hidden", "64", "--layers", "2", "--heads", "2", "--ffn-hidden",
 # --------------------------------------------------------------------------------------------- shared helpers
 def _flag(flags: Sequence[str], name: str) -> str:
     return flags[len(flags) - 1 - list(reversed(flags)).index(name) + 1]
-
-
-def _entry(rank: int, world: int, init_file: str, fn, args) -> None:
-    os.environ.update(WORLD_SIZE=str(world), RANK=str(rank), LOCAL_RANK=str(rank))
-    os.environ.pop("LOCAL_WORLD_SIZE", None)
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    try:
-        fn(rank, world, *args)
-    finally:
-        dist.destroy_process_group()
-
-
-def fork_processes(fn, world: int, *args) -> None:
-    """Run ``fn(rank, world, *args)`` in `world` gloo processes of this machine (one intra-op thread each,
-    WORLD_SIZE/RANK set so that ``megamoe train`` inside uses them). Forked where the OS allows it (children
-    inherit the imported modules: no 10 s of re-imports per run on a busy machine) unless this process has a
-    default process group, else spawned (then `fn` must be a module-level function). A failing rank fails the
-    call."""
-    import torch.multiprocessing as mp
-    # a fork would inherit an initialized default process group of this process (its children could not start
-    # their own): spawn then
-    inherited = dist.is_available() and dist.is_initialized()
-    method = "fork" if "fork" in multiprocessing.get_all_start_methods() and not inherited else "spawn"
-    with tempfile.TemporaryDirectory() as d:
-        mp.start_processes(_entry, args=(world, os.path.join(d, "init"), fn, args), nprocs=world, join=True,
-                           start_method=method)
 
 
 def train_in_workers(rank: int, flags: List[str], log_path: str, trace_path: str) -> Optional[dict]:
