@@ -5,8 +5,6 @@
 - every gate is selectable by flag and is the one that routes;
 - bad flag combinations fail at argument validation, with the flag named, before anything is built.
 """
-import importlib.util
-import os
 
 import pytest
 import torch
@@ -15,16 +13,12 @@ from megamoe_plugin.config import ConfigError, MoEConfig
 from megamoe_plugin.layer import MoELayer
 from megamoe_plugin.megatron_adapter.peer import ensure_megatron_parallel_state
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 H, F, E = 32, 64, 4
 
 
 def _trainer_module():
-    spec = importlib.util.spec_from_file_location(
-        "pretrain_moe_gpt", os.path.join(REPO, "examples", "megatron", "pretrain_moe_gpt.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    from megamoe_plugin.megatron_adapter import trainer
+    return trainer
 
 
 def _plugin_layer(gate="naive", **flags):

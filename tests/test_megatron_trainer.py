@@ -112,3 +112,79 @@ def test_smart_schedule_in_megatron_matches_plain(cache):
     assert smart[1] == plain[1]                        # forward of the first step: bitwise the same
     for it in (2, 3):
         assert abs(smart[it] - plain[it]) < 1e-4, (smart, plain)
+
+
+# --- checkpoints: saved at --exit-interval, loud when missing, code-free, one LR schedule for every rank ----------
+def test_exit_interval_saves_and_missing_checkpoint_is_loud(cache, tmp_path):
+    layout = ["--train-iters", "4", "--moe-plugin-second-expert-policy", "all"]
+    ck = str(tmp_path / "ck")
+    first, out = run(1, [*layout, "--save", ck, "--exit-interval", "2"], cache)      # no --save-interval
+    assert sorted(first) == [1, 2] and "saved checkpoint at iteration 2" in out, out[-2000:]
+    resumed, out = run(1, [*layout, "--load", ck], cache)
+    assert "loaded checkpoint" in out and sorted(resumed) == [3, 4], out[-2000:]
+    # the relaunch idiom (--save and --load the same empty folder): starts afresh, and says so
+    fresh = str(tmp_path / "fresh")
+    losses, out = run(1, [*layout, "--save", fresh, "--load", fresh], cache)
+    assert sorted(losses) == [1, 2, 3, 4] and "WARNING: --load" in out and "no checkpoint there" in out, out[-2000:]
+    # a --load that names another folder, or --exit-on-missing-checkpoint: an error, nothing trained
+    for extra in (["--load", str(tmp_path / "typo")],
+                  ["--save", fresh + "2", "--load", fresh + "2", "--exit-on-missing-checkpoint"]):
+        p = _run_raw(1, [*layout, *extra], cache)
+        assert p.returncode != 0 and "no checkpoint there" in p.stderr and "iteration" not in p.stdout, p.stderr[-2000:]
+
+
+class _Payload:
+    """Unpickling this calls pathlib.Path.touch(<marker>): what a malicious checkpoint file would do."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        import pathlib
+        return (pathlib.Path.touch, (pathlib.Path(self.marker),))
+
+
+def test_code_in_a_checkpoint_file_is_refused_without_running(cache, tmp_path):
+    import torch
+    layout = ["--train-iters", "4"]
+    ck = str(tmp_path / "ck")
+    run(1, [*layout, "--save", ck, "--exit-interval", "2"], cache)
+    marker = tmp_path / "pwned"
+    for name in ("extra_rank0.pt", "run_state.pt"):
+        target = os.path.join(ck, "iter_0000002", name)
+        original = open(target, "rb").read()
+        torch.save({"format": "megamoe-megatron/2", "rng": _Payload(str(marker))}, target)
+        p = _run_raw(1, [*layout, "--load", ck], cache)
+        assert p.returncode != 0 and name in p.stderr and "weights_only" in p.stderr, p.stderr[-2000:]
+        assert not marker.exists()
+        open(target, "wb").write(original)
+
+
+def test_resume_at_larger_world_keeps_the_checkpoint_lr_schedule_on_every_rank(cache, tmp_path):
+    """Saved by 1 process (train-iters 6), resumed by 2 (EP=2) with --train-iters 10: rank 1 has no per-rank file,
+    and must still follow the checkpoint's schedule (the same LR as rank 0), or the flags' with
+    --override-opt_param-scheduler."""
+    ck = str(tmp_path / "ck")
+    run(1, ["--train-iters", "6", "--lr-warmup-iters", "1", "--save", ck, "--exit-interval", "3"], cache)
+    policy = ["--moe-plugin-placement", "recording_policy:RecordingPolicy"]
+    schedules = {}
+    for name, extra in (("checkpoint", []), ("override", ["--override-opt_param-scheduler"])):
+        rec = tmp_path / name
+        rec.mkdir()
+        _, out = run(2, ["--train-iters", "10", "--lr-warmup-iters", "1", "--expert-model-parallel-size", "2",
+                         "--global-batch-size", "8", "--load", ck, *policy, *extra], cache, record_dir=rec)
+        assert "extra_rank{1}.pt not in the checkpoint" in out, out[-2000:]
+        per_rank = [[r["lrs"] for r in records(rec, rank)] for rank in range(2)]
+        assert per_rank[0] == per_rank[1] and len(per_rank[0]) == 7, per_rank
+        schedules[name] = [lrs[0] for lrs in per_rank[0]]
+    # the checkpoint's schedule decays over 6 iterations: from iteration 6 on it sits at --min-lr (1e-4)
+    assert schedules["checkpoint"][-1] == pytest.approx(1e-4) and schedules["checkpoint"][3] == pytest.approx(1e-4)
+    assert schedules["override"][3] > 2e-4 and schedules["override"][-1] == pytest.approx(1e-4)
+
+
+def _run_raw(nproc, args, cache):
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join([HELPERS, REPO, os.environ.get("PYTHONPATH", "")]))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", SCRIPT,
+           *TINY, "--data-cache-path", cache, *args]
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=REPO)

@@ -195,7 +195,7 @@ def test_megatron_checkpoint_trace(tmp_path):
                    "--max-position-embeddings", "32", "--micro-batch-size", "4", "--corpus-bytes", "200000",
                    "--num-experts", "4", "--moe-router-topk", "2", "--hidden-dropout", "0", "--attention-dropout",
                    "0", "--moe-plugin"]
-    p = subprocess.run([sys.executable, trace_cli.MEGATRON_EXAMPLE, *model_flags, "--global-batch-size", "4",
+    p = subprocess.run([sys.executable, "-m", "megamoe_plugin.megatron_adapter.trainer", *model_flags, "--global-batch-size", "4",
                         "--lr", "3e-3", "--log-interval", "1", "--train-iters", "2", "--eval-iters", "1",
                         "--save", str(tmp_path / "ck"), "--data-cache-path", str(tmp_path / "cache")],
                        env=_env(), capture_output=True, text=True, timeout=300, cwd=REPO)

@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import argparse
 import glob
-import importlib.util
 import math
 import os
 import shlex
@@ -55,8 +54,6 @@ __all__ = ["TRAINERS", "inference_config", "load_core_checkpoint", "load_fairseq
            "load_megatron_checkpoint", "trace_model", "write_heatmap", "summarize", "main"]
 
 TRAINERS = ("core", "fairseq", "megatron")
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-MEGATRON_EXAMPLE = os.path.join(REPO, "examples", "megatron", "pretrain_moe_gpt.py")
 
 # options that only matter while training, in a distributed job or for a placement: reset for one-process inference
 _INFERENCE_RESET = dict(expert_parallel_size=1, world_size=1, topology="", placement="none", placement_spare_slots=0,
@@ -197,9 +194,7 @@ def load_megatron_checkpoint(path: str, megatron_args: List[str]):
         raise CheckpointError("--trainer megatron traces the plugin's MoE layers: --megatron-args must include "
                               "--moe-plugin (as the training run did)")
     iter_dir = _megatron_iter_dir(path)
-    spec = importlib.util.spec_from_file_location("megamoe_pretrain_moe_gpt", MEGATRON_EXAMPLE)
-    ex = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(ex)
+    from ..megatron_adapter import trainer as ex
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
         os.environ.pop(var, None)
     args = ex.parse_args(list(megatron_args))

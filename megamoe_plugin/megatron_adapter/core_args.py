@@ -1,7 +1,7 @@
 """The Megatron-LM flags that the megatron-core example trainer understands, with Megatron-LM's names and defaults.
 
 So that a ``pretrain_gpt.py`` command line (model, parallelism, MoE, optimizer, checkpoint flags) runs unchanged on
-``examples/megatron/pretrain_moe_gpt.py``; flags of Megatron-LM that are not listed here are rejected by argparse
+``megatron_adapter.trainer`` (``examples/megatron/pretrain_moe_gpt.py``); flags of Megatron-LM that are not listed here are rejected by argparse
 rather than silently ignored. The plugin's own flags come from ``args.add_moe_plugin_args``.
 """
 from __future__ import annotations
@@ -107,6 +107,12 @@ def add_megatron_core_args(p: argparse.ArgumentParser) -> argparse.ArgumentParse
     g.add_argument("--save", default=None)
     g.add_argument("--load", default=None)
     g.add_argument("--save-interval", type=int, default=0)
+    g.add_argument("--exit-on-missing-checkpoint", action="store_true",
+                   help="with --load: stop with an error when there is no checkpoint there instead of starting "
+                        "afresh (a --load other than --save, or --skip-train, is always an error)")
+    g.add_argument("--override-opt_param-scheduler", dest="override_opt_param_scheduler", action="store_true",
+                   help="on resume, take the learning-rate schedule from these flags (--lr, --train-iters, ...) "
+                        "instead of the checkpoint's; every rank does the same either way")
     g.add_argument("--tensorboard-dir", default=None)
     return p
 

@@ -31,7 +31,10 @@ class RecordingPolicy:
         for m in models:
             for n, p in m.named_parameters():
                 params[n] = float(p.detach().float().norm())
+        chain = getattr(opt, "chained_optimizers", None) or [opt]
+        lrs = sorted({g["lr"] for o in chain for g in o.param_groups})
         rec = {"rank": rank, "param_norms": params, "iteration": ctx.iteration, "optimizer": type(opt).__name__,
+               "lrs": lrs,
                "moe_layers": len(ctx.moe_layers), "expert_w1_norms": norms, "optimizer_has_state": has_state,
                "layer_numbers": [getattr(m, "layer_number", None) for m in ctx.moe_layers]}
         if self.dir:
