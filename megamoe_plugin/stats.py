@@ -8,13 +8,17 @@ placement) and the expert-level max/mean load. Adapters forward these to their l
 
 Routing traces: per layer and step, the [source rank x expert] token counts, optionally every token's expert
 ids. Each rank writes its own shard (no collective needed); ``load_trace`` merges the shards.
-Schema of a shard (``torch.save`` dict, ``schema = "megamoe-trace/1"``):
+Schema of a shard (``torch.save`` of a dict of tensors, ints, strings and lists only, ``schema =
+"megamoe-trace/1"``):
     rank, world_size, num_experts, top_k, layers (list of layer ids)
     steps: LongTensor [S]                      training step of each record row
     counts: IntTensor [S, L, E]                this rank's kept tokens per expert
     token_ids: list (len S) of list (len L) of ShortTensor/IntTensor [T, k] (only with token ids; -1 = dropped)
 ``load_trace(path)`` returns a dict with the same keys but ``counts`` [S, L, P, E] (source rank x expert), over the
 union of the shards' layers (pipeline stages own different layers; a rank without a layer has zero rows).
+Traces are meant to be shared: a shard is read with ``torch.load(weights_only=True)``, whose unpickler builds
+tensors and plain containers and nothing else, so a crafted file cannot run code; its fields are then checked
+against the schema. Anything else is refused with a ``TraceError`` naming the file.
 """
 from __future__ import annotations
 
@@ -27,6 +31,10 @@ import torch
 import torch.distributed as dist
 
 TRACE_SCHEMA = "megamoe-trace/1"
+
+
+class TraceError(ValueError):
+    """A file that is not a readable routing-trace shard; the message names it and says what is wrong."""
 
 
 class StatsSink:
@@ -153,20 +161,17 @@ def load_trace(path: str) -> dict:
     shards.sort(key=lambda p: int(p.rsplit(".rank", 1)[1]))
     if not shards:
         raise FileNotFoundError(f"no trace shards {path}.rank*")
-    parts = [torch.load(p, weights_only=False) for p in shards]
-    for p in parts:
-        if p.get("schema") != TRACE_SCHEMA:
-            raise ValueError(f"{path}: unknown trace schema {p.get('schema')!r}")
+    parts = [read_shard(p) for p in shards]
     first = parts[0]
     if len(parts) != first["world_size"]:
-        raise ValueError(f"{path}: {len(parts)} shard(s) found, world size {first['world_size']}")
+        raise TraceError(f"{path}: {len(parts)} shard(s) found, world size {first['world_size']}")
     if [p["rank"] for p in parts] != list(range(len(parts))):
-        raise ValueError(f"{path}: shards of ranks {[p['rank'] for p in parts]}, expected 0..{len(parts) - 1}")
+        raise TraceError(f"{path}: shards of ranks {[p['rank'] for p in parts]}, expected 0..{len(parts) - 1}")
     for p in parts[1:]:
         if (p["world_size"], p["num_experts"]) != (first["world_size"], first["num_experts"]):
-            raise ValueError(f"{path}: shards disagree on world size or expert count")
+            raise TraceError(f"{path}: shards disagree on world size or expert count")
         if not torch.equal(p["steps"], first["steps"]):
-            raise ValueError(f"{path}: shards disagree on steps")
+            raise TraceError(f"{path}: shards disagree on steps")
     # pipeline stages own different layers: the merged trace has every layer, zero rows for ranks without it
     layers = sorted({l for p in parts for l in p["layers"]})
     S, E = len(first["steps"]), first["num_experts"]
@@ -180,3 +185,34 @@ def load_trace(path: str) -> dict:
         out["token_ids"] = [[[p["token_ids"][s][p["layers"].index(l)] if l in p["layers"] else None
                               for l in layers] for s in range(S)] for p in parts]
     return out
+
+
+def read_shard(path: str) -> dict:
+    """One trace shard, read without executing anything and checked against the schema (``TraceError`` else)."""
+    try:
+        data = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as err:       # UnpicklingError (code, foreign classes), a truncated zip, garbage bytes
+        text = str(err).strip()
+        why = text.splitlines()[0][:200] if text else type(err).__name__
+        raise TraceError(f"{path}: not a readable routing trace (refused by torch.load(weights_only=True): {why})"
+                         ) from None
+    if not isinstance(data, dict) or data.get("schema") != TRACE_SCHEMA:
+        found = data.get("schema") if isinstance(data, dict) else type(data).__name__
+        raise TraceError(f"{path}: not a {TRACE_SCHEMA} trace shard (schema found: {found!r})")
+    ints = ("rank", "world_size", "num_experts", "top_k")
+    bad = [k for k in ints if not isinstance(data.get(k), int)]
+    layers = data.get("layers")
+    if not isinstance(layers, list) or not all(isinstance(l, int) for l in layers):
+        bad.append("layers")
+    steps, counts = data.get("steps"), data.get("counts")
+    if not (torch.is_tensor(steps) and steps.dim() == 1):
+        bad.append("steps")
+    if not (torch.is_tensor(counts) and counts.dim() == 3 and not counts.is_floating_point()
+            and "steps" not in bad and isinstance(layers, list)
+            and tuple(counts.shape[:2]) == (steps.numel(), len(layers))
+            and counts.shape[2] == data.get("num_experts")):
+        bad.append("counts")
+    if bad:
+        raise TraceError(f"{path}: trace shard with malformed field(s) {', '.join(bad)} (schema in megamoe_plugin/"
+                         "stats.py)")
+    return data

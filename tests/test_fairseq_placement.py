@@ -332,7 +332,7 @@ def test_flexmoe_moves_experts_and_checkpoint_evaluates_in_one_process(lm_data, 
     valid_full = [float(v) for v in VALID.findall(out)]
     assert valid_full, out[-3000:]
     # the checkpoint written after the moves holds [E, ...] experts by logical id
-    ck = torch.load(tmp_path / "full" / "checkpoint_1_3.pt", map_location="cpu", weights_only=False)
+    ck = torch.load(tmp_path / "full" / "checkpoint_1_3.pt", map_location="cpu", weights_only=True)
     E = ck["cfg"]["model"]["moe_expert_count"]
     keys = _expert_keys(ck["model"])
     assert keys and all(ck["model"][k].shape[0] == E for k in keys)
@@ -368,7 +368,7 @@ def test_flexmoe_moves_experts_and_checkpoint_evaluates_in_one_process(lm_data, 
                                           "switch", "--restore-file", last, "--reset-dataloader"))
     rows = updates(out)
     assert sorted(rows) == [6] and math.isfinite(rows[6]["loss"]), out[-3000:]
-    ck1 = torch.load(tmp_path / "one" / "checkpoint_last.pt", map_location="cpu", weights_only=False)
+    ck1 = torch.load(tmp_path / "one" / "checkpoint_last.pt", map_location="cpu", weights_only=True)
     assert all(ck1["model"][k].shape == ck["model"][k].shape for k in keys)
     w1 = [k for k in keys if k.endswith(".w1")][0]
     shapes = [tuple(v.shape) for st in ck1["last_optimizer_state"]["state"].values() for v in st.values()

@@ -24,7 +24,7 @@ def test_dynamic_capacity_and_cache_in_the_megatron_trainer(cache, tmp_path):
     assert rows[40][2] > 0                                   # capacities were recompiled
     assert rows[4][3] == "off" and rows[40][3] == "on"       # caching switched on after epoch 1 (min epoch 2)
     # both ranks saved the same capacities (decisions agree job-wide)
-    per_rank = [torch.load(os.path.join(save, "iter_0000020", f"extra_rank{r}.pt"), weights_only=False)["dynamic"]
+    per_rank = [torch.load(os.path.join(save, "iter_0000020", f"extra_rank{r}.pt"), weights_only=True)["dynamic"]
                 for r in (0, 1)]
     caps = per_rank[0]["capacity"]
     assert caps == per_rank[1]["capacity"] and all(c is not None for c in caps.values())

@@ -264,7 +264,7 @@ def test_trace_recorder_and_load_trace_on_two_ranks():
         run_distributed(_trace_worker, 2, d)
         seen = [torch.load(os.path.join(d, f"seen{r}.pt")) for r in range(2)]
 
-        shard = torch.load(os.path.join(d, "trace.rank1"), weights_only=False)      # the documented shard schema
+        shard = torch.load(os.path.join(d, "trace.rank1"), weights_only=True)      # the documented shard schema
         assert shard["schema"] == "megamoe-trace/1" and shard["rank"] == 1 and shard["world_size"] == 2
         assert shard["counts"].dtype == torch.int32 and shard["counts"].shape == (3, 2, E)
         assert shard["steps"].dtype == torch.long and shard["steps"].tolist() == STEPS
@@ -315,7 +315,7 @@ def test_load_trace_errors():
         rec = TraceRecorder(os.path.join(d, "bad"), rank=0, world_size=1, num_experts=4, top_k=2)
         rec(3, _one_routing())
         path = rec.flush()
-        data = torch.load(path, weights_only=False)
+        data = torch.load(path, weights_only=True)
         good = load_trace(os.path.join(d, "bad"))                        # valid as written
         assert good["counts"].tolist() == [[[[2, 2, 1, 0]]]]
         data["schema"] = "megamoe-trace/0"

@@ -320,21 +320,19 @@ def _wrap_gradients(FairseqOptimizer, fairseq_utils) -> None:
 
 
 def _wrap_broadcast_object(fairseq_dist_utils) -> None:
-    """Compatibility: torch >= 2.6 loads with weights_only=True by default, and fairseq's checkpoint broadcast
-    (rank 0 reads the checkpoint, pickles it to the other ranks of the same job) then fails on its omegaconf
-    config. Unpickle that one object as before (weights_only=False): it comes from this job's rank 0."""
-    slow = getattr(fairseq_dist_utils, "_broadcast_object_slow", None)
-    if slow is None:
+    """Compatibility: fairseq's checkpoint broadcast (rank 0 has loaded the checkpoint, with torch.load's
+    weights-only unpickler, and hands the in-memory state, omegaconf config included, to the other ranks of the
+    job) serialises it with torch.save and reads it back with torch.load, whose weights-only default (torch >= 2.6)
+    refuses the omegaconf config. The object never comes from a file here, only from this job's rank 0 over its
+    process group, so it goes through torch.distributed's own object broadcast instead; nothing else in the
+    process changes (torch.load keeps its safe default everywhere)."""
+    if getattr(fairseq_dist_utils, "_broadcast_object_slow", None) is None:
         return
 
-    @functools.wraps(slow)
-    def broadcast_object_slow(*args, **kwargs):
-        load = torch.load
-        torch.load = functools.partial(load, weights_only=False)
-        try:
-            return slow(*args, **kwargs)
-        finally:
-            torch.load = load
+    def broadcast_object_slow(obj, src_rank, group, dist_device):
+        box = [obj]
+        torch.distributed.broadcast_object_list(box, src=src_rank, group=group, device=dist_device)
+        return box[0]
 
     fairseq_dist_utils._broadcast_object_slow = broadcast_object_slow
 

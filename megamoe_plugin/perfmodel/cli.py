@@ -68,8 +68,7 @@ def _roofline(argv: List[str]) -> int:
     args = p.parse_args(argv)
     profile = _profile(args.profile)
     if args.trace:
-        from ..stats import load_trace
-        trace = load_trace(args.trace)
+        trace = _read_trace(p, args.trace)
         counts = torch.as_tensor(trace["counts"])
         if args.max_steps:
             counts = counts[:args.max_steps]
@@ -109,8 +108,16 @@ def _roofline(argv: List[str]) -> int:
     return 0
 
 
-def _simulate(argv: List[str]) -> int:
+def _read_trace(parser: argparse.ArgumentParser, path: str) -> dict:
+    """The trace at ``path`` (shards ``path.rank<r>``), or argparse's error naming the flag and what is wrong."""
     from ..stats import load_trace
+    try:
+        return load_trace(path)
+    except (FileNotFoundError, ValueError) as err:       # TraceError is a ValueError
+        parser.error(f"trace {path}: {err}")
+
+
+def _simulate(argv: List[str]) -> int:
     from .simulate import format_steps, format_summary, simulate_trace, summarize
     p = argparse.ArgumentParser(prog="megamoe perf simulate",
                                 description="Replay a routing trace through the cost model: predicted per-step "
@@ -121,7 +128,7 @@ def _simulate(argv: List[str]) -> int:
     p.add_argument("--json", default=None, help="Also write the per-step results and the summary as JSON here.")
     args = p.parse_args(argv)
     profile = _profile(args.profile)
-    trace = load_trace(args.trace)
+    trace = _read_trace(p, args.trace)
     if args.max_steps:
         trace = dict(trace, counts=trace["counts"][:args.max_steps], steps=trace["steps"][:args.max_steps])
     S, L, P, E = trace["counts"].shape
