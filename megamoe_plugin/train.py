@@ -58,6 +58,7 @@ from .layer import collect_aux_loss, moe_layers
 from .placement import AfterStepHook, apply_placement
 from .models import TinyMoEGPT
 from .stats import StatsSink, TraceRecorder
+from . import train_checkpoint as checkpoints
 
 __all__ = ["MAIN_JOB_MOE_DEFAULTS", "CHECKPOINT_FORMAT", "ParallelState", "TrainResult", "TrainBatches",
            "add_moe_arguments", "build_parser", "moe_config_from_args", "init_parallel", "make_parallel_state",
@@ -67,10 +68,11 @@ __all__ = ["MAIN_JOB_MOE_DEFAULTS", "CHECKPOINT_FORMAT", "ParallelState", "Train
 # MoE options of the main job where they differ from (or restate) MoEConfig's defaults.
 MAIN_JOB_MOE_DEFAULTS: Dict[str, object] = {"num_experts": 8, "gate": "gshard", "top_k": 2, "dispatch": "dropless",
                                             "aux_loss_coeff": 0.01, "second_expert_policy": "all"}
-CHECKPOINT_FORMAT = "megamoe-train/1"
+CHECKPOINT_FORMAT = checkpoints.FORMAT
 MODEL_ARG_NAMES = ("hidden", "layers", "heads", "ffn_hidden", "seq_len", "moe_every", "dropout")
-# MoE options that change the parameters' shapes or placement: a checkpoint only resumes with equal values
-MOE_SHAPE_OPTIONS = ("num_experts", "expert_ffn_hidden_size", "activation", "expert_bias", "expert_parallel_size")
+# MoE options that change the parameters' shapes: a checkpoint only resumes with equal values (the expert-parallel
+# size may differ: the experts are resharded)
+MOE_SHAPE_OPTIONS = ("num_experts", "expert_ffn_hidden_size", "activation", "expert_bias")
 
 
 # --------------------------------------------------------------------------------------------------- arguments
@@ -165,8 +167,6 @@ def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> No
         parser.error(f"--dropout must be in [0, 1), got {args.dropout}")
     if args.save_interval and not args.save:
         parser.error("--save-interval needs --save PATH")
-    if args.resume and not (os.path.exists(args.resume) or os.path.exists(args.resume + ".rank0")):
-        parser.error(f"--resume {args.resume}: no such checkpoint")
 
 
 # ---------------------------------------------------------------------------------------------------- parallel
@@ -435,11 +435,13 @@ def _format_eval(step: int, ev: Dict[str, float]) -> str:
 # ------------------------------------------------------------------------------------------------- checkpoints
 def checkpoint_path(path: str, ps: ParallelState) -> str:
     """One file when experts are not sharded (every rank holds the same weights), else one per rank."""
-    return path if ps.ep_size == 1 else f"{path}.rank{ps.rank}"
+    return checkpoints.file_name(path, ps.rank, ps.ep_size)
 
 
 def save_checkpoint(path: str, model, optimizer, cfg: MoEConfig, step: int, args: argparse.Namespace,
                     ps: ParallelState, dynamic: Optional[DynamicRuntime] = None) -> Optional[str]:
+    """Collective. This rank's file of a checkpoint set plus, once every rank's file is written, the set's
+    manifest (``train_checkpoint``): a set interrupted mid-save is never mistaken for a complete one."""
     rng = torch.get_rng_state()
     rng_states = [rng]
     dyn_states = [dynamic.state_dict()] if dynamic is not None else None
@@ -449,46 +451,44 @@ def save_checkpoint(path: str, model, optimizer, cfg: MoEConfig, step: int, args
         if dynamic is not None:          # every rank's (its own assignment cache), in every file
             dyn_states = [None] * ps.world_size
             dist.all_gather_object(dyn_states, dynamic.state_dict())
-    out = None
-    if ps.ep_size > 1 or ps.is_main:
-        out = checkpoint_path(path, ps)
-        state = {"format": CHECKPOINT_FORMAT, "step": step, "model": model.state_dict(),
-                 "placement": [m.plan.placement.to_checkpoint() for m in moe_layers(model)],
-                 "optimizer": optimizer.state_dict(), "moe_config": cfg.to_dict(),
-                 "model_args": {n: getattr(args, n) for n in MODEL_ARG_NAMES}, "args": dict(vars(args)),
-                 "rng_states": rng_states, "world_size": ps.world_size, "expert_parallel_size": ps.ep_size,
-                 "ep_rank": ps.ep_rank}
-        if dyn_states is not None:
-            state["dynamic"] = dyn_states
-        os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-        tmp = f"{out}.tmp{os.getpid()}"
-        torch.save(state, tmp)
-        os.replace(tmp, out)
-    if ps.distributed:
-        dist.barrier()
-    return out
+    state = {"format": CHECKPOINT_FORMAT, "step": step, "model": model.state_dict(),
+             "placement": [m.plan.placement.to_checkpoint() for m in moe_layers(model)],
+             "optimizer": optimizer.state_dict(), "moe_config": cfg.to_dict(),
+             "model_args": {n: getattr(args, n) for n in MODEL_ARG_NAMES}, "args": dict(vars(args)),
+             "rng_states": rng_states, "world_size": ps.world_size, "expert_parallel_size": ps.ep_size,
+             "ep_rank": ps.ep_rank}
+    if dyn_states is not None:
+        state["dynamic"] = dyn_states
+    return checkpoints.save(path, state, ps.rank, ps.world_size, ps.ep_size)
 
 
-def load_checkpoint(path: str, ps: Optional[ParallelState] = None) -> dict:
-    """The checkpoint dict this rank resumes from (``PATH`` or ``PATH.rank<r>``)."""
+def optimizer_param_names(model: torch.nn.Module) -> List[str]:
+    """Parameter names in the optimizer's index order (``_optimizer``'s groups: matrices, then the rest)."""
+    named = list(model.named_parameters())
+    return [n for n, p in named if p.dim() >= 2] + [n for n, p in named if p.dim() < 2]
+
+
+def load_checkpoint(ckpt: "checkpoints.CheckpointSet", model, cfg: MoEConfig, ps: Optional[ParallelState] = None,
+                    log=print) -> dict:
+    """The checkpoint dict this rank resumes from: its own EP rank's file, or one resharded from another
+    expert-parallel size (``train_checkpoint.state_for_rank``)."""
     ps = ps or ParallelState()
-    file = checkpoint_path(path, ps)
-    if not os.path.exists(file):
-        raise FileNotFoundError(f"no checkpoint {file} (saved with a different --moe-expert-parallel-size?)")
-    state = torch.load(file, map_location="cpu", weights_only=True)
-    if state.get("format") != CHECKPOINT_FORMAT:
-        raise ValueError(f"{file}: not a {CHECKPOINT_FORMAT} checkpoint")
-    return state
+    layers = moe_layers(model)
+    index = {id(m): i for i, m in enumerate(layers)}
+    experts = {f"{name}.experts.{pname}": index[id(m)] for name, m in model.named_modules() if id(m) in index
+               for pname, _ in m.experts.named_parameters()}
+    return checkpoints.state_for_rank(ckpt, ps.ep_rank, ps.ep_size, cfg.slots_per_rank, experts,
+                                      optimizer_param_names(model), log=log)
 
 
-def _check_resumable(parser, state: dict, args, cfg: MoEConfig, ps: ParallelState) -> None:
-    diffs = [f"--{n.replace('_', '-')}: checkpoint {state['model_args'][n]!r}, now {getattr(args, n)!r}"
-             for n in MODEL_ARG_NAMES if state["model_args"].get(n) != getattr(args, n)]
-    old = state["moe_config"]
+def _check_resumable(parser, ckpt: "checkpoints.CheckpointSet", args, cfg: MoEConfig) -> None:
+    """Before the corpus is read or the model built: the checkpoint's model must be this model."""
+    saved = ckpt.manifest
+    diffs = [f"--{n.replace('_', '-')}: checkpoint {saved['model_args'].get(n)!r}, now {getattr(args, n)!r}"
+             for n in MODEL_ARG_NAMES if saved["model_args"].get(n) != getattr(args, n)]
+    old = saved["moe_config"]
     diffs += [f"--moe-{n.replace('_', '-')}: checkpoint {old.get(n)!r}, now {getattr(cfg, n)!r}"
               for n in MOE_SHAPE_OPTIONS if old.get(n) != getattr(cfg, n)]
-    if ps.ep_size > 1 and state["world_size"] != ps.world_size:
-        diffs.append(f"world size: checkpoint {state['world_size']}, now {ps.world_size}")
     if diffs:
         parser.error(f"--resume {args.resume}: the checkpoint does not match this model: " + "; ".join(diffs))
 
@@ -513,11 +513,20 @@ def main(argv: Optional[Sequence[str]] = None) -> TrainResult:
     parser = build_parser()
     args = parser.parse_args(argv)
     _check_args(parser, args)
+    # everything a user can get wrong is checked here, before the corpus is read or the model built
     try:
         cfg = moe_config_from_args(args)
         refuse_in_training(cfg, "megamoe train")
+        hook = AfterStepHook(cfg)      # --moe-placement flexmoe|shadow|...: an unknown policy or profile fails now
     except ConfigError as err:
         parser.error(str(err))
+    ckpt = None
+    if args.resume:
+        try:
+            ckpt = checkpoints.resolve(args.resume)
+        except checkpoints.CheckpointError as err:
+            parser.error(f"--resume {err}")
+        _check_resumable(parser, ckpt, args, cfg)
     torch.set_num_threads(args.threads)
     retain_freed_memory()      # CPU: reuse large activation/gradient blocks instead of page-faulting them each step
     try:
@@ -525,13 +534,31 @@ def main(argv: Optional[Sequence[str]] = None) -> TrainResult:
     except ConfigError as err:
         parser.error(str(err))
     try:
-        return _train(parser, args, cfg, ps)
+        return _train(parser, args, cfg, ps, hook, ckpt)
     finally:
         if ps.initialized_here and dist.is_initialized():
             dist.destroy_process_group()
 
 
-def _train(parser, args, cfg: MoEConfig, ps: ParallelState) -> TrainResult:
+def _resume(ckpt, model, optimizer, cfg: MoEConfig, ps: ParallelState, log) -> dict:
+    """Load the checkpoint set into the model and optimizer (resharded when the expert-parallel size changed);
+    returns the state dict it came from (step, RNG, DynaMoE state)."""
+    for note in ckpt.notes:
+        log(note)
+    state = load_checkpoint(ckpt, model, cfg, ps, log=log)
+    model.load_state_dict(state["model"])
+    optimizer.load_state_dict(state["optimizer"])
+    layers = moe_layers(model)
+    for m, placed in zip(layers, state.get("placement") or []):
+        m.plan.placement.from_checkpoint(placed)       # the bank rows were saved laid out by it
+    apply_placement([(m.plan.placement, [], m.experts) for m in layers])   # replica groups (collective)
+    rngs = state.get("rng_states") or []
+    if len(rngs) == ps.world_size:
+        torch.set_rng_state(rngs[ps.rank])
+    return state
+
+
+def _train(parser, args, cfg: MoEConfig, ps: ParallelState, hook: AfterStepHook, ckpt) -> TrainResult:
     def log(msg: str) -> None:
         if ps.is_main:
             print(msg, flush=True)
@@ -552,20 +579,10 @@ def _train(parser, args, cfg: MoEConfig, ps: ParallelState) -> TrainResult:
     warmup = args.warmup if args.warmup is not None else max(args.steps // 10, 1)
     torch.manual_seed(args.seed * 1_000_003 + 17 + ps.rank)     # per-rank RNG: random routing, dropout, jitter
 
-    start = 0
-    if args.resume:
-        state = load_checkpoint(args.resume, ps)
-        _check_resumable(parser, state, args, cfg, ps)
-        model.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
-        layers = moe_layers(model)
-        for m, placed in zip(layers, state.get("placement") or []):
-            m.plan.placement.from_checkpoint(placed)       # the bank rows were saved laid out by it
-        apply_placement([(m.plan.placement, [], m.experts) for m in layers])   # replica groups (collective)
+    start, state = 0, {}
+    if ckpt is not None:
+        state = _resume(ckpt, model, optimizer, cfg, ps, log)
         start = int(state["step"])
-        rngs = state.get("rng_states") or []
-        if len(rngs) == ps.world_size:
-            torch.set_rng_state(rngs[ps.rank])
 
     trace_path = args.trace or cfg.trace_path
     tracer = None
@@ -588,7 +605,6 @@ def _train(parser, args, cfg: MoEConfig, ps: ParallelState) -> TrainResult:
     if start:
         log(f"resumed from {args.resume} at step {start}")
 
-    hook = AfterStepHook(cfg)          # --moe-placement flexmoe|shadow|...: between optimizer steps
     dynamic = None                     # --moe-capacity-policy dynamic / --moe-assignment-cache (DynaMoE)
     if dynamic_enabled(cfg):
         dcfg = cfg if cfg.assignment_cache_positions else cfg.replace(assignment_cache_positions=args.seq_len)

@@ -54,3 +54,7 @@ def run_distributed(fn, world_size, *args):
     import torch.multiprocessing as mp
     with tempfile.TemporaryDirectory() as d:
         mp.spawn(_entry, args=(world_size, os.path.join(d, "init"), fn, args), nprocs=world_size, join=True)
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "slow: a multi-process test that takes tens of seconds (few, but real)")

@@ -36,7 +36,6 @@ the hottest expert's load over the mean, and the smallest capacity factor that w
 from __future__ import annotations
 
 import argparse
-import glob
 import math
 import os
 import shlex
@@ -75,71 +74,31 @@ def inference_config(d: dict, **overrides) -> MoEConfig:
 
 
 # --- core: `megamoe train --save` ------------------------------------------------------------------------------
-def _core_files(path: str) -> List[str]:
-    if os.path.isfile(path):
-        return [path]
-    shards = [p for p in glob.glob(glob.escape(path) + ".rank*") if p.rsplit(".rank", 1)[1].isdigit()]
-    if not shards:
-        raise FileNotFoundError(f"no checkpoint {path} (nor {path}.rank<r> shards)")
-    return sorted(shards, key=lambda p: int(p.rsplit(".rank", 1)[1]))
-
-
-def _logical_rows(placement: Optional[dict], E: int, P: int, slots: int) -> List[int]:
-    """Row of every logical expert in the [P * slots] concatenation of the ranks' banks: its owner's (first
-    replica's) slot under the saved placement, or the initial contiguous layout."""
-    if placement is None:
-        per = E // P
-        return [(e // per) * slots + e % per for e in range(E)]
-    from ..placement.state import PlacementState
-    st = PlacementState.from_dict(placement["state"])
-    if (st.num_experts, st.num_ranks, st.slots_per_rank) != (E, P, slots):
-        raise CheckpointError(f"saved placement is E={st.num_experts}, P={st.num_ranks}, slots={st.slots_per_rank}; "
-                              f"the checkpoint's banks are E={E}, P={P}, slots={slots}")
-    rows = []
-    for e in range(E):
-        r = st.replicas(e)[0]
-        rows.append(r * slots + st.slots_of(r).index(e))
-    return rows
-
-
 def load_core_checkpoint(path: str, **cfg_overrides) -> Tuple[torch.nn.Module, MoEConfig, dict]:
     """(TinyMoEGPT in eval mode with every expert, its inference MoEConfig, the checkpoint's model_args plus the
     training run's ``corpus_bytes`` and ``seed``, None where the checkpoint lacks them)."""
     from ..models import TinyMoEGPT
-    from ..train import CHECKPOINT_FORMAT
+    from .. import train_checkpoint as checkpoints
 
-    files = _core_files(path)
-    states = [torch.load(f, map_location="cpu", weights_only=True) for f in files]
+    try:
+        states = checkpoints.read_expert_group(checkpoints.resolve(path))
+    except checkpoints.CheckpointError as err:
+        raise CheckpointError(f"{err} (for fairseq or Megatron checkpoints pass --trainer fairseq / megatron)"
+                              ) from None
     first = states[0]
-    if first.get("format") != CHECKPOINT_FORMAT:
-        raise CheckpointError(f"{files[0]}: not a {CHECKPOINT_FORMAT} checkpoint (megamoe train --save); for "
-                              f"fairseq or Megatron checkpoints pass --trainer fairseq / megatron")
-    P = int(first.get("expert_parallel_size", 1))
-    if len(files) > 1 or P > 1:
-        ranks = [int(s.get("ep_rank", i)) for i, s in enumerate(states[:P])]
-        if len(states) < P or ranks != list(range(P)):
-            raise CheckpointError(f"{path}: expert-parallel size {P} needs the shards of ranks 0..{P - 1}, found "
-                                  f"{len(states)} file(s) with expert-parallel ranks {ranks}")
-    saved_cfg = first["moe_config"]
-    cfg = inference_config(saved_cfg, **cfg_overrides)
+    cfg = inference_config(first["moe_config"], **cfg_overrides)
     margs = dict(first["model_args"])
     run_args = first.get("args") or {}
     margs.update(corpus_bytes=run_args.get("corpus_bytes"), seed=run_args.get("seed"))
-    sd = first["model"]
-    vocab = sd["wte.weight"].shape[0]
+    full = dict(first["model"])
+    vocab = full["wte.weight"].shape[0]
     model = TinyMoEGPT(cfg, vocab, hidden=margs["hidden"], heads=margs["heads"], layers=margs["layers"],
                        ffn_hidden=margs["ffn_hidden"], seq_len=margs["seq_len"], moe_every=margs["moe_every"],
                        dropout=0.0)
-    full = {k: v for k, v in sd.items()}
-    E = cfg.num_experts
-    placements = first.get("placement") or []
     for j, (name, m) in enumerate((n, m) for n, m in model.named_modules() if isinstance(m, MoELayer)):
         for pname, _ in m.experts.named_parameters():
             key = f"{name}.experts.{pname}"
-            rows = torch.cat([s["model"][key] for s in states[:P]], 0)
-            slots = rows.shape[0] // P
-            idx = _logical_rows(placements[j] if j < len(placements) else None, E, P, slots)
-            full[key] = rows.index_select(0, torch.tensor(idx))
+            full[key] = checkpoints.logical_rows(states, [s["model"][key] for s in states], j)
     model.load_state_dict(full)
     model.eval()
     return model, cfg, margs

@@ -373,13 +373,12 @@ class PlacementRuntime:
 
     def owner(self, expert: int) -> Tuple[int, int]:
         """(ep rank, slot) of the replica that speaks for ``expert`` in checkpoints: its first one."""
-        r = self.state.replicas(expert)[0]
-        return r, self.state.slots_of(r).index(expert)
+        return self.state.owner(expert)
 
     def logical_rows(self) -> List[int]:
         """For every logical expert, its owner's row in the [P * slots_per_rank] concatenation of all ranks'
         banks (what an all-gather of the bank gives)."""
-        return [r * self.slots_per_rank + s for r, s in (self.owner(e) for e in range(self.num_experts))]
+        return self.state.logical_rows()
 
     def slot_weights(self) -> torch.Tensor:
         """[slots] 1 / (replicas of the slot's expert), 0 for a free slot: weights that count every logical expert

@@ -171,6 +171,16 @@ class PlacementState:
         """Distinct ranks holding ``expert``, ascending: its gradient all-reduce group."""
         return sorted(set(self.replicas(expert)))
 
+    def owner(self, expert: int) -> Tuple[int, int]:
+        """(rank, slot) of the replica that speaks for ``expert`` in checkpoints: its first one."""
+        r = self.replicas(expert)[0]
+        return r, self._slots[r].index(self._expert(expert))
+
+    def logical_rows(self) -> List[int]:
+        """For every logical expert, its owner's row in the [P * slots_per_rank] concatenation of all ranks'
+        banks (what an all-gather of the bank, or the ranks' saved banks in rank order, give)."""
+        return [r * self.slots_per_rank + s for r, s in (self.owner(e) for e in range(self.num_experts))]
+
     def num_replicas(self, expert: int) -> int:
         return len(self.replicas(expert))
 
