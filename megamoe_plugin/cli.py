@@ -48,9 +48,13 @@ def _option_rows(trainer: str = "core"):
         if opt["choices"]:
             help_text += f" Choices: {', '.join(map(str, opt['choices']))}."
         flag, default = opt["flag"], repr(opt["default"])
+        if trainer == "megatron" and opt["name"] in DERIVED:      # Megatron's own flag decides it: no type here
+            source, how = DERIVED[opt["name"]]
+            rows.append((f"{source} -> {opt['name']}", "", "", f"{how}. {help_text}"))
+            continue
         if trainer == "megatron":
             flag = megatron_flag(opt["name"])
-            if opt["name"] in SHARED or opt["name"] in DERIVED:
+            if opt["name"] in SHARED:
                 default, help_text = "Megatron's", f"{opt['name']}: {help_text}"
         if opt["type"] is bool and flag.startswith("--moe-"):
             flag = f"{flag} / --no-{flag[2:]}"

@@ -33,6 +33,7 @@ SCHEDULES = ("plain", "smart")
 CAPACITY_POLICIES = ("static", "dynamic")
 EXPERT_GRAPHS = ("none", "compile", "cuda-graph")
 EXPERT_CACHE_POLICIES = ("lifo", "fifo", "lru", "lfu")
+NONFINITE_ACTIONS = ("raise", "skip", "off")
 
 
 @dataclass
@@ -151,6 +152,9 @@ class MoEConfig:
                                    "`megamoe balance` (per layer, which expert goes to which slot); applied as an "
                                    "expert permutation when the checkpoint is loaded, outputs unchanged.")
     # --- observability -------------------------------------------------------------------------------------------
+    nonfinite: str = _opt("raise", "Non-finite router outputs (NaN/inf in a MoE layer's combine weights or aux loss, "
+                                   "checked once per training step): raise (stop, naming the layer, step and rank), "
+                                   "skip (drop that step's update, where the trainer can) or off.", NONFINITE_ACTIONS)
     trace_path: str = _opt("", "Write routing traces (per layer and step [source rank x expert] counts) here.")
     trace_token_ids: bool = _opt(False, "Also record every token's expert ids in the trace (larger files).")
 
@@ -200,7 +204,7 @@ class MoEConfig:
             bad("top_k", "the switch gate routes each token to 1 expert; use --moe-top-k=1")
         if self.gate in ("gshard",) and self.top_k != 2:
             bad("top_k", "the gshard gate is top-2; use --moe-top-k=2 (or the naive gate for other k)")
-        for name in ("dispatch", "activation", "second_expert_policy", "cpu_gemm", "schedule"):
+        for name in ("dispatch", "activation", "second_expert_policy", "cpu_gemm", "schedule", "nonfinite"):
             choices = _field(name).metadata["choices"]
             if getattr(self, name) not in choices:
                 bad(name, f"must be one of {', '.join(choices)}")
@@ -225,6 +229,12 @@ class MoEConfig:
             bad("expert_ffn_hidden_size", "must be >= 0")
         if self.expert_parallel_size < 1:
             bad("expert_parallel_size", "must be >= 1")
+        if self.world_size < 0:
+            bad("world_size", "must be >= 0")
+        world = self.resolved_world_size()
+        if world % self.expert_parallel_size:
+            bad("expert_parallel_size", f"does not fit a world of {world} rank(s): the expert-parallel size must "
+                                        f"divide the world size")
         if self.num_experts % self.expert_parallel_size:
             bad("num_experts", f"must be divisible by --moe-expert-parallel-size={self.expert_parallel_size}")
         if self.schedule == "smart" and self.dispatch != "dropless":
@@ -284,11 +294,6 @@ class MoEConfig:
             bad("assignment_cache_min_epoch", "must be >= 0")
         if self.assignment_cache_positions < 0:
             bad("assignment_cache_positions", "must be >= 0 (0 = the trainer's sequence length)")
-        if self.world_size < 0:
-            bad("world_size", "must be >= 0")
-        world = self.resolved_world_size()
-        if world % self.expert_parallel_size:
-            bad("expert_parallel_size", f"must divide the world size {world}")
         if self.gate in ("hir", "ta_moe") or self.topology:
             try:
                 topo = self.build_topology()

@@ -192,6 +192,15 @@ def expert_backward(dy, x, h, a, w1, w2, groups, activation: str, lanes: int, on
     return dx
 
 
+def check_input_dtype(x: torch.Tensor, bank: "ExpertBank", where: str) -> None:
+    """A clear error at the MoE layer's entry instead of a oneDNN / matmul failure deep inside: the tokens and
+    the experts' weights must have one dtype (the model is cast as a whole, e.g. --bf16 or model.to(dtype))."""
+    if x.dtype != bank.w1.dtype:
+        raise TypeError(f"{where}: input dtype {x.dtype} but the expert weights are {bank.w1.dtype}; cast the "
+                        f"model to the input's dtype (model.to({x.dtype}), or the trainer's --bf16 / --fp16 flag) or "
+                        f"the input to {bank.w1.dtype}")
+
+
 class GroupedExpertFFN(torch.autograd.Function):
     """y[g] = act(x[g] @ w1[e] + b1[e]) @ w2[e] + b2[e] for each contiguous group g of expert e.
 

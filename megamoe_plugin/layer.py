@@ -25,7 +25,7 @@ import torch.nn as nn
 
 from .config import ConfigError, MoEConfig, flag
 from .dispatch.plan import DispatchPlan
-from .experts import ExpertBank
+from .experts import ExpertBank, check_input_dtype
 from .gates import build_gate
 from .parallel import expert_parallel
 from .stats import StatsSink
@@ -93,6 +93,7 @@ class MoELayer(nn.Module):
         shape = x.shape
         if shape[-1] != self.hidden_size:
             raise ValueError(f"MoELayer expects hidden size {self.hidden_size}, got input of shape {tuple(shape)}")
+        check_input_dtype(x, self.experts, f"MoE layer {self.layer_id}")
         tokens = x.reshape(-1, self.hidden_size)
         routing, capacity, keys = self.plan.route(self.gate, tokens, self.training,
                                                   tuple(shape[:-1]) if keys_shape is None else keys_shape, select)

@@ -37,8 +37,14 @@ class TraceError(ValueError):
     """A file that is not a readable routing-trace shard; the message names it and says what is wrong."""
 
 
+class NonFiniteRoutingError(FloatingPointError):
+    """An MoE layer's router produced NaN/inf (combine weights or aux losses); the message names the layers, the
+    step and the ranks."""
+
+
 class StatsSink:
     def __init__(self):
+        self._nonfinite: Dict[int, torch.Tensor] = {}
         self._counts: Dict[int, torch.Tensor] = {}
         self._dropped: Dict[int, torch.Tensor] = {}
         self._assignments: Dict[int, int] = defaultdict(int)
@@ -59,8 +65,18 @@ class StatsSink:
         self._dropped[layer_id] = self._dropped[layer_id] + d if layer_id in self._dropped else d.clone()
         self._assignments[layer_id] += routing.expert_ids.numel()
         self._calls[layer_id] += 1
+        bad = ~torch.isfinite(routing.weights.detach()).all()      # NaN/inf logits reach every weight of the row
+        for aux in routing.aux_losses.values():
+            bad = bad | ~torch.isfinite(aux.detach())
+        prev = self._nonfinite.get(layer_id)
+        self._nonfinite[layer_id] = bad if prev is None else prev | bad
         for fn in self.listeners:
             fn(layer_id, routing)
+
+    def take_nonfinite(self) -> Dict[int, torch.Tensor]:
+        """Per layer, whether any call since the last take produced a non-finite router output (device bools)."""
+        out, self._nonfinite = self._nonfinite, {}
+        return out
 
     def reset(self) -> None:
         self._counts.clear(); self._dropped.clear(); self._assignments.clear(); self._calls.clear()
@@ -88,6 +104,32 @@ class StatsSink:
         if reset:
             self.reset()
         return out
+
+
+def check_nonfinite(sinks, step: int, group=None) -> Optional[str]:
+    """None when every MoE layer's router output since the last call was finite on every rank of ``group``; else
+    a message naming the layers, the step and the ranks. Reads the sinks' device flags once (one host sync per
+    step, not per layer); with a group, one scalar all-reduce (and an all-gather only when something is wrong).
+    Collective over the group: every rank calls it at the same point of the step."""
+    flags: Dict[int, torch.Tensor] = {}
+    for sink in sinks:
+        flags.update(sink.take_nonfinite())
+    ids = sorted(flags)
+    bad = [i for i, f in zip(ids, torch.stack([flags[i].cpu() for i in ids]).tolist()) if f] if ids else []
+    per_rank = {dist.get_rank() if dist.is_initialized() else 0: bad}
+    if group is not None and dist.is_initialized() and dist.get_world_size(group) > 1:
+        n = torch.tensor([len(bad)], dtype=torch.long)
+        dist.all_reduce(n, group=group)
+        if int(n) == 0:
+            return None
+        gathered = [None] * dist.get_world_size(group)
+        dist.all_gather_object(gathered, (dist.get_rank(), bad), group=group)
+        per_rank = {r: b for r, b in gathered}
+    elif not bad:
+        return None
+    where = "; ".join(f"rank {r}: MoE layer(s) {', '.join(map(str, b))}" for r, b in sorted(per_rank.items()) if b)
+    return (f"non-finite router output (NaN/inf in the combine weights or aux loss) at step {step}: {where}. The "
+            "layer's input or the gate weights hold NaN/inf (check the data, the learning rate, fp16 overflow)")
 
 
 def layer_summary(counts: torch.Tensor, dropped: float, assignments: float, ranks_of_experts: Optional[List[int]],

@@ -53,11 +53,13 @@ from .data import build_corpus
 from .dynamic import DynamicRuntime, dynamic_enabled
 from .dynamic.assignment_cache import AssignmentCache
 from .dynamic.runtime import format_metrics as format_dynamic_metrics
+from .gates import gate_warnings
 from .inference.deploy import refuse_in_training
+from .notices import warn_once
 from .layer import collect_aux_loss, moe_layers
 from .placement import AfterStepHook, apply_placement
 from .models import TinyMoEGPT
-from .stats import StatsSink, TraceRecorder
+from .stats import NonFiniteRoutingError, StatsSink, TraceRecorder, check_nonfinite
 from . import train_checkpoint as checkpoints
 
 __all__ = ["MAIN_JOB_MOE_DEFAULTS", "CHECKPOINT_FORMAT", "ParallelState", "TrainResult", "TrainBatches",
@@ -507,6 +509,7 @@ class TrainResult:
     trace: Optional[str] = None
     dynamic: Dict[str, float] = field(default_factory=dict)   # DynaMoE runtime metrics at the end
     cache_history: List[tuple] = field(default_factory=list)  # (epoch, kept fraction, caching on) per epoch
+    skipped_steps: int = 0                      # updates dropped for non-finite router outputs (--moe-nonfinite skip)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> TrainResult:
@@ -518,8 +521,12 @@ def main(argv: Optional[Sequence[str]] = None) -> TrainResult:
         cfg = moe_config_from_args(args)
         refuse_in_training(cfg, "megamoe train")
         hook = AfterStepHook(cfg)      # --moe-placement flexmoe|shadow|...: an unknown policy or profile fails now
+        for text in gate_warnings(cfg):
+            warn_once(text)
     except ConfigError as err:
         parser.error(str(err))
+    if args.moe_every == 0:
+        warn_once("--moe-every=0: a dense model without MoE layers; every --moe-* option has no effect")
     ckpt = None
     if args.resume:
         try:
@@ -643,22 +650,31 @@ def _train(parser, args, cfg: MoEConfig, ps: ParallelState, hook: AfterStepHook,
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         sync_gradients(model, ps)
-        gnorm = clip_grad_norm(model, args.clip_grad, ps)
-        optimizer.step()
         done = step + 1
-        hook.run(model, optimizer, done)
+        problem = check_nonfinite([stats], done, world_group) if cfg.nonfinite != "off" else None
+        if problem and cfg.nonfinite == "raise":
+            raise NonFiniteRoutingError(f"rank {ps.rank}: {problem} (--moe-nonfinite skip drops such steps)")
+        if problem:                              # --moe-nonfinite skip: no update from this step's gradients
+            optimizer.zero_grad(set_to_none=True)
+            result.skipped_steps += 1
+            log(f"step {done:5d}: update skipped (--moe-nonfinite skip): {problem}")
+        else:
+            gnorm = clip_grad_norm(model, args.clip_grad, ps)
+            optimizer.step()
+            hook.run(model, optimizer, done)
         if dynamic is not None:
             if dynamic.cache is not None:
                 dynamic.cache.clear_batch()          # evaluation forwards never key into training samples
             dynamic.after_step(done)
         result.step = done
-        acc += torch.stack([loss.detach(), lm_loss.detach(), aux_loss.detach()]).double()
-        acc_steps += 1
+        if not problem:
+            acc += torch.stack([loss.detach(), lm_loss.detach(), aux_loss.detach()]).double()
+            acc_steps += 1
 
         if done % args.log_interval == 0 or done == end:
             if ps.distributed:
                 dist.all_reduce(acc, group=world_group)
-            mean = (acc / (acc_steps * ps.world_size)).tolist()
+            mean = (acc / (max(acc_steps, 1) * ps.world_size)).tolist()
             summary = stats.summary(group=world_group)
             elapsed = time.perf_counter() - t_last
             tps = acc_steps * tokens_per_step / max(elapsed, 1e-9)

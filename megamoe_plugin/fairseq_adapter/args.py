@@ -46,8 +46,8 @@ OVERRIDES: Dict[str, Tuple[Any, str]] = {
                                 "Must divide the data-parallel world size."),
 }
 ADAPTER_FIELDS: List[Tuple[str, type, Any, str]] = [
-    ("moe_freq", int, 2, "Every moe_freq-th transformer layer (of the encoder and of the decoder) has an MoE FFN; "
-                         "0 = none."),
+    ("moe_freq", int, 2, "Every moe_freq-th transformer layer (of the encoder and of the decoder) has an MoE FFN "
+                         "(>= 1; a dense model is fairseq's own transformer_lm / transformer)."),
 ]
 
 
@@ -111,10 +111,14 @@ def add_moe_args(parser: argparse.ArgumentParser) -> None:
         group.add_argument("--" + dest.replace("_", "-"), **kw)
 
 
-def _translate(err: ConfigError) -> ConfigError:
+def spell(text: str) -> str:
+    """Rewrite the core's --moe-<name> spellings in a message into fairseq's flag spellings."""
     names = {flag(o["name"]): fairseq_flag(o["name"]) for o in iter_options()}
-    text = re.sub(r"--moe-[a-z0-9-]+", lambda m: names.get(m.group(0), m.group(0)), str(err))
-    return ConfigError("megamoe-plugin: " + text)
+    return re.sub(r"--moe-[a-z0-9-]+", lambda m: names.get(m.group(0), m.group(0)), text)
+
+
+def _translate(err: ConfigError) -> ConfigError:
+    return ConfigError("megamoe-plugin: " + spell(str(err)))
 
 
 def _get(args, name, default=None):
@@ -155,16 +159,23 @@ def config_from_fairseq(args, world_size: int = 1) -> MoEConfig:
     ep = int(d["expert_parallel_size"] or 0)
     d["expert_parallel_size"] = ep if ep > 0 else world_size
     d["world_size"] = world_size
+    from ..gates import gate_warnings
+    from ..notices import warn_once
     try:
-        return MoEConfig(**d)
+        cfg = MoEConfig(**d)
+        for text in gate_warnings(cfg):
+            warn_once(spell(text))
+        return cfg
     except ConfigError as e:
         raise _translate(e) from None
 
 
 def moe_freq(args) -> int:
     f = int(_get(args, "moe_freq", 2))
-    if f < 0:
-        raise ConfigError(f"megamoe-plugin: --moe-freq={f}: must be >= 0")
+    if f < 1:
+        raise ConfigError(f"megamoe-plugin: --moe-freq={f}: must be >= 1 (every N-th layer has an MoE FFN; 0 would "
+                          "build a model without experts: use fairseq's transformer_lm / transformer archs for a "
+                          "dense model)")
     return f
 
 
@@ -173,6 +184,10 @@ def check_trainer_settings(cfg, moe: MoEConfig) -> None:
     construction, before the first step."""
     from ..inference.deploy import refuse_in_training
     refuse_in_training(moe, "fairseq-train")
+    if moe.nonfinite == "skip":
+        raise ConfigError("megamoe-plugin: --moe-nonfinite skip: fairseq-train stops on non-finite gradients "
+                          "(FloatingPointError) outside --amp and cannot drop one update; use raise (the default: "
+                          "stop naming the MoE layer) or off")
     dt, common = cfg.distributed_training, cfg.common
     if getattr(common, "model_parallel_size", 1) > 1:
         raise ConfigError("megamoe-plugin: --model-parallel-size > 1 with MoE layers is not supported (experts are "

@@ -25,7 +25,7 @@ from fairseq.utils import safe_getattr
 
 import torch.distributed as dist
 
-from ..config import MoEConfig
+from ..config import ConfigError, MoEConfig
 from . import distributed as moe_dist
 from .args import add_moe_args, config_from_fairseq, fill_moe_defaults, moe_dataclass, moe_freq
 from .layers import install_moe
@@ -51,7 +51,10 @@ def moe_ify(model, args, encoder_layers, decoder_layers):
     ep_group, edp_group = moe_dist.expert_groups(cfg.expert_parallel_size)
     moe_dist.activate(ep_group, edp_group, cfg.resolved_world_size())
     next_id = install_moe(encoder_layers, cfg, freq, ep_group, 0, "enc", edp_group=edp_group)
-    install_moe(decoder_layers, cfg, freq, ep_group, next_id, "dec", edp_group=edp_group)
+    if install_moe(decoder_layers, cfg, freq, ep_group, next_id, "dec", edp_group=edp_group) == 0:
+        raise ConfigError(f"megamoe-plugin: --moe-freq={freq} with {len(encoder_layers)} encoder / "
+                          f"{len(decoder_layers)} decoder layers: no layer gets an MoE FFN; use a smaller "
+                          "--moe-freq")
     model.moe_config = cfg
     # c10d DDP: expert parameters are synchronised by the plugin, never by DDP
     model._ddp_params_and_buffers_to_ignore = [n for n, p in model.named_parameters() if getattr(p, "expert", False)]
@@ -80,6 +83,7 @@ class MoETransformerLanguageModel(_InferenceMixin, TransformerLanguageModel):
 
     @classmethod
     def build_model(cls, args, task):
+        moe_freq(args)                                    # a bad --moe-freq fails before fairseq builds anything
         model = super().build_model(args, task)
         return moe_ify(model, args, [], model.decoder.layers)
 
@@ -96,6 +100,7 @@ class MoETransformerModel(_InferenceMixin, TransformerModel):
     @classmethod
     def build_model(cls, args, task):
         fill_moe_defaults(args)
+        moe_freq(args)
         model = super().build_model(args, task)
         return moe_ify(model, args, model.encoder.layers, model.decoder.layers)
 

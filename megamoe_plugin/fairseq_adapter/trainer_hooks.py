@@ -34,6 +34,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
+from ..layer import moe_layers
 from ..placement import AfterStepHook
 from ..placement.checkpoint import logical_from_gathered
 from ..stats import TraceRecorder
@@ -219,6 +220,9 @@ def _wrap_trainer(Trainer) -> None:
             self.optimizer                      # noqa: B018  (built here as train_step would: fp32 copies exist)
             _register_optimizer_placements(self)
         before = self.get_num_updates()
+        _UPDATE[0] = before + 1
+        for m in moe_layers(_raw_model(self)):     # flags of validation forwards since the last update: not this one's
+            m.stats.take_nonfinite()
         trace = getattr(self, "_megamoe_trace", None)
         if trace is not None:
             trace.recorder.next_step(before + 1)
@@ -306,6 +310,24 @@ def _wrap_save(checkpoint_utils) -> None:
     checkpoint_utils.save_checkpoint = save_checkpoint
 
 
+_UPDATE = [0]       # the update train_step is computing (for the non-finite check's message)
+
+
+def _check_nonfinite_routing(module) -> None:
+    """--moe-nonfinite raise: after backward, before clipping and the optimizer step. fairseq treats the
+    FloatingPointError as it does NaN gradients (crash.pt, NaN detector rerun, stop), with our message naming
+    the MoE layers, the update and the ranks."""
+    from ..layer import moe_layers
+    from ..stats import NonFiniteRoutingError, check_nonfinite
+    layers = moe_layers(module)
+    if not layers or layers[0].cfg.nonfinite == "off":
+        return
+    group = dist.group.WORLD if dist.is_initialized() else None
+    problem = check_nonfinite({id(m.stats): m.stats for m in layers}.values(), _UPDATE[0], group)
+    if problem:
+        raise NonFiniteRoutingError(problem)
+
+
 def _wrap_gradients(FairseqOptimizer, fairseq_utils) -> None:
     all_reduce = FairseqOptimizer.all_reduce_grads
 
@@ -313,6 +335,7 @@ def _wrap_gradients(FairseqOptimizer, fairseq_utils) -> None:
     def all_reduce_grads(self, module):
         all_reduce(self, module)
         moe_dist.sync_expert_grads(module)
+        _check_nonfinite_routing(module)
 
     FairseqOptimizer.all_reduce_grads = all_reduce_grads
     original_clip = fairseq_utils.clip_grad_norm_

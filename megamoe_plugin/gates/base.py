@@ -90,6 +90,13 @@ class Gate(nn.Module):
         nn.init.normal_(self.weight, std=cfg.init_std)
 
     # --- to implement --------------------------------------------------------------------------------------------
+    @classmethod
+    def check_options(cls, cfg: MoEConfig, topology) -> List[str]:
+        """Before any model exists: raise ``ConfigError`` (naming the flag) for settings this gate cannot work
+        with, and return warnings for settings it accepts but that make it behave like another gate.
+        ``topology`` is the job's Topology (``cfg.build_topology()``)."""
+        return []
+
     def select(self, logits: torch.Tensor, probs: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
         """Return (expert_ids [T, k] long, kept [T, k] bool) from fp32 logits and probabilities [T, E]."""
         raise NotImplementedError

@@ -39,6 +39,15 @@ class HirGate(Gate):
         self.budget_ratio = cfg.hir_budget_scale * topo.net_bandwidth / (self.workers_per_node * topo.local_bandwidth)
         self.topology = topo
 
+    @classmethod
+    def check_options(cls, cfg, topology):
+        if len(set(topology.node_ids())) == 1:
+            return [f"--moe-gate=hir on the topology {topology.spec()} (one node): no token can cross a node, so "
+                    "hir routes exactly like the naive top-k gate; give the job's nodes with --moe-topology "
+                    "(e.g. '[[0,1],[2,3]]'), or launch with LOCAL_WORLD_SIZE set per node (torchrun, megamoe "
+                    "cluster run)"]
+        return []
+
     def budget(self, num_tokens: int) -> int:
         """L of paper 003 §4.3 for a worker holding `num_tokens` tokens."""
         return int(math.floor(self.budget_ratio * num_tokens))

@@ -30,6 +30,20 @@ def registered_gates() -> Dict[str, type]:
     return dict(_GATES)
 
 
+def gate_warnings(cfg, topology=None):
+    """The gate's own option checks (``Gate.check_options``) before any model exists: raises ``ConfigError`` for
+    what cannot work, returns the warnings for what works but does not do what the gate is for."""
+    cls = _GATES.get(cfg.gate)
+    if cls is None:
+        return []
+    if topology is None:
+        try:
+            topology = cfg.build_topology()
+        except ValueError:
+            return []          # MoEConfig's own validation reports a bad topology
+    return list(cls.check_options(cfg, topology))
+
+
 def build_gate(cfg, hidden_size: int, ep=None, topology=None):
     try:
         cls = _GATES[cfg.gate]

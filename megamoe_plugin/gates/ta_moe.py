@@ -88,6 +88,21 @@ class TopologyAwareGate(Gate):
         self.register_buffer("target", target, persistent=False)
         self.register_buffer("loss_weight", (1.0 / cfg.num_experts) / target, persistent=False)
 
+    @classmethod
+    def check_options(cls, cfg, topology):
+        from ..config import ConfigError, flag
+        if cfg.aux_loss_coeff <= 0:
+            raise ConfigError(f"{flag('gate')}=ta_moe steers the dispatch only through its topology-aware loss, and "
+                              f"{flag('aux_loss_coeff')}={cfg.aux_loss_coeff} switches it off; set it > 0 "
+                              "(e.g. 0.01)")
+        pattern = target_dispatch_pattern(topology, cfg.ta_moe_exchange_mb * 1e6, cfg.ta_moe_smoothing)
+        if float((pattern - 1.0 / topology.num_ranks).abs().max()) < 1e-6:
+            return [f"--moe-gate=ta_moe on the topology {topology.spec()} (bandwidths "
+                    f"{topology.bandwidth_gbps} GB/s per level): the derived target dispatch pattern is uniform, "
+                    "so the loss is exactly the GShard balance loss; ta_moe needs ranks on links of different "
+                    "cost (--moe-topology with several nodes and --moe-topology-bandwidth-gbps)"]
+        return []
+
     def select(self, logits, probs):
         ids = torch.topk(probs, self.top_k, dim=-1).indices
         return ids, torch.ones_like(ids, dtype=torch.bool)

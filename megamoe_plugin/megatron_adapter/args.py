@@ -35,15 +35,18 @@ SHARED: Dict[str, str] = {
     "capacity_factor": "moe_expert_capacity_factor",
     "init_std": "init_method_std",
 }
-# MoEConfig fields derived from Megatron flags whose spelling differs (for error messages).
-DERIVED: Dict[str, str] = {
-    "dispatch": "--moe-expert-capacity-factor",       # unset = dropless, set = capacity
-    "activation": "--swiglu",
-    "expert_bias": "--disable-bias-linear",
-    "gate_fp32": "--moe-router-dtype",
-    "normalize_top_k": "--moe-router-pre-softmax",
-    "world_size": "the launcher's world size",
+# MoEConfig fields derived from Megatron flags of another meaning or spelling: (the Megatron flag, how it decides).
+DERIVED: Dict[str, tuple] = {
+    "dispatch": ("--moe-expert-capacity-factor", "unset = dropless dispatch; a factor = capacity dispatch"),
+    "activation": ("--swiglu", "given = swiglu experts, else gelu"),
+    "expert_bias": ("--disable-bias-linear", "given = experts without biases"),
+    "gate_fp32": ("--moe-router-dtype", "fp32 = the gate's logits and softmax in fp32"),
+    "normalize_top_k": ("--moe-router-pre-softmax", "given = the k probabilities are not renormalised"),
+    "world_size": ("the launcher's world size", "WORLD_SIZE of torchrun / the job"),
 }
+# How core error messages that name a derived option with a value read on a Megatron command line.
+_DERIVED_PHRASES = {"--moe-dispatch capacity": "--moe-expert-capacity-factor <factor> (capacity dispatch)",
+                    "--moe-dispatch dropless": "no --moe-expert-capacity-factor (dropless dispatch)"}
 # Megatron settings the plugin cannot honour: (attribute, predicate that is True when the value is unsupported,
 # flag, why). Checked only with --moe-plugin.
 UNSUPPORTED = [
@@ -78,7 +81,7 @@ def megatron_flag(name: str) -> str:
     if name in SHARED:
         return "--" + SHARED[name].replace("_", "-")
     if name in DERIVED:
-        return DERIVED[name]
+        return DERIVED[name][0]
     return plugin_flag(name)
 
 
@@ -114,11 +117,16 @@ def moe_plugin_extra_args(other: Optional[Callable] = None) -> Callable:
     return provider
 
 
-def _translate(err: ConfigError) -> ConfigError:
-    """Rewrite the core's --moe-<name> spellings into the Megatron command line's spellings."""
+def spell(text: str) -> str:
+    """Rewrite the core's --moe-<name> spellings in a message into the Megatron command line's spellings."""
     names = {flag(o["name"]): megatron_flag(o["name"]) for o in iter_options()}
-    text = re.sub(r"--moe-[a-z0-9-]+", lambda m: names.get(m.group(0), m.group(0)), str(err))
-    return ConfigError("megamoe-plugin: " + text)
+    for core, megatron in _DERIVED_PHRASES.items():
+        text = text.replace(core, megatron)
+    return re.sub(r"--moe-[a-z0-9-]+", lambda m: names.get(m.group(0), m.group(0)), text)
+
+
+def _translate(err: ConfigError) -> ConfigError:
+    return ConfigError("megamoe-plugin: " + spell(str(err)))
 
 
 def _get(src, *names, default=None):
@@ -215,9 +223,13 @@ def validate_moe_plugin_args(args) -> Optional[MoEConfig]:
                               f"--moe-plugin-placement-spare-slots={cfg.placement_spare_slots}: spare vExpert slots "
                               "are checkpointed by logical expert id, which the distributed optimizer's flattened "
                               "state cannot follow; drop one of the two")
+    from ..gates import gate_warnings
+    from ..notices import warn_once
     from ..placement import build_placement_policy
     try:
         build_placement_policy(cfg)       # an unknown or unimportable policy fails now, not after the model
+        for text in gate_warnings(cfg):
+            warn_once(spell(text))
     except ConfigError as e:
         raise _translate(e) from None
     args.moe_plugin_config = cfg

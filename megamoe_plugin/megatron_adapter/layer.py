@@ -39,7 +39,7 @@ from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler, save_t
 
 from ..config import MoEConfig
 from ..dispatch.plan import DispatchPlan
-from ..experts import ExpertBank
+from ..experts import ExpertBank, check_input_dtype
 from ..gates import build_gate
 from ..gates.base import Routing
 from ..parallel import ExpertParallel
@@ -282,6 +282,7 @@ class PluginMoELayer(MegatronMoELayer):
                                        avg_group=self.attn_tp_group)
 
     def _routed(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        check_input_dtype(hidden_states, self.experts.bank, f"MoE layer {self.layer_number}")
         tokens = hidden_states.reshape(-1, hidden_states.shape[-1])
         # the gate call (and, with DynaMoE's assignment cache on, cached assignments): DispatchPlan.route
         routing, capacity, keys = self.plan.route(self.router, tokens, self.training,

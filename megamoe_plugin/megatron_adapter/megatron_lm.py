@@ -105,6 +105,10 @@ def _wrap_validate_args(validate_args: Callable) -> Callable:
                 raise ConfigError("megamoe-plugin: --moe-plugin-expert-cache-size / --moe-plugin-placement-file in "
                                   "pretrain_gpt.py: it has no inference path that applies them; evaluate the "
                                   "checkpoint with examples/megatron/pretrain_moe_gpt.py --skip-train")
+            if cfg is not None and cfg.nonfinite == "skip":
+                raise ConfigError("megamoe-plugin: --moe-plugin-nonfinite skip in pretrain_gpt.py: its train_step "
+                                  "updates before the plugin can look; use raise (the default: stop naming the "
+                                  "layer), or the megatron-core example trainer, which skips such iterations")
             if cfg is not None and cfg.assignment_cache:
                 raise ConfigError("megamoe-plugin: --moe-plugin-assignment-cache in pretrain_gpt.py: Megatron-LM's "
                                   "GPT batches carry no sample index to key the cache by (its multi-epoch "
@@ -132,7 +136,14 @@ def _rank() -> int:
 def after_train_step(args, model, optimizer, iteration: int) -> None:
     """What runs on every rank after a successful ``train_step``; ``iteration`` = optimizer steps done."""
     from .hooks import get_step_hooks
-    hooks = get_step_hooks(args.moe_plugin_config, args.num_layers)
+    cfg = args.moe_plugin_config
+    if cfg.nonfinite != "off":            # after the update here (train_step is Megatron's): stop, naming the layer
+        from ..stats import NonFiniteRoutingError, check_nonfinite
+        from .layer import plugin_stats
+        problem = check_nonfinite([plugin_stats()], iteration, torch.distributed.group.WORLD)
+        if problem:
+            raise NonFiniteRoutingError(problem)
+    hooks = get_step_hooks(cfg, args.num_layers)
     hooks.after_step(model, optimizer, iteration=iteration)
     log_interval = getattr(args, "log_interval", 0) or 0
     if log_interval > 0 and iteration % log_interval == 0:

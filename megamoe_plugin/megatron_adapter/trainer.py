@@ -366,6 +366,23 @@ class ProgressLog:
         self.reset()
 
 
+def nonfinite_routing(run: Run, iteration: int) -> bool:
+    """--moe-plugin-nonfinite: before the optimizer step, whether any plugin MoE layer's router produced NaN/inf
+    this iteration on any rank; raise (naming layer, iteration and rank) or tell the loop to skip the update."""
+    cfg = getattr(run.args, "moe_plugin_config", None)
+    if cfg is None or cfg.nonfinite == "off":
+        return False
+    from ..stats import NonFiniteRoutingError, check_nonfinite
+    from .layer import plugin_stats
+
+    problem = check_nonfinite([plugin_stats()], iteration, dist.group.WORLD)
+    if problem and cfg.nonfinite == "raise":
+        raise NonFiniteRoutingError(f"{problem} (--moe-plugin-nonfinite skip drops such iterations)")
+    if problem:
+        print0(f" iteration {iteration:6d}: update skipped (--moe-plugin-nonfinite skip): {problem}")
+    return bool(problem)
+
+
 def train(run: Run, start: int) -> None:
     from .data import batches
 
@@ -386,6 +403,9 @@ def train(run: Run, start: int) -> None:
         run.model.zero_grad_buffer()
         run.optimizer.zero_grad()
         loss = run_schedule(args, run.model, train_iter, run.n_micro, forward_only=False)
+        if nonfinite_routing(run, iteration + 1):           # --moe-plugin-nonfinite skip: no update this iteration
+            iteration += 1
+            continue
         ok, grad_norm, _ = run.optimizer.step()
         iteration += 1
         if ok:
