@@ -79,6 +79,7 @@ def test_each_gate_selectable_by_flag_and_used(gate, top_k, monkeypatch):
 
     mod = _trainer_module()
     args = mod.parse_args(["--num-experts", str(E), "--moe-router-topk", str(top_k), "--moe-plugin",
+                           "--moe-aux-loss-coeff", "0.01",
                            *(["--moe-router-pre-softmax"] if top_k == 1 else []),
                            "--moe-plugin-gate", gate, "--moe-plugin-topology", "[[0]]"])
     assert args.moe_plugin_config.gate == gate and args.moe_plugin_config.top_k == top_k
