@@ -216,7 +216,7 @@ def _moe_layer_indices(layers):
     return out
 
 
-@pytest.mark.parametrize("freq,layers,expected", [(2, 4, [1, 3]), (3, 4, [2]), (1, 3, [0, 1, 2]), (0, 2, [])])
+@pytest.mark.parametrize("freq,layers,expected", [(2, 4, [1, 3]), (3, 4, [2]), (1, 3, [0, 1, 2])])
 def test_lm_every_freq_th_decoder_layer_is_moe(data, freq, layers, expected):
     args, _, model = _build(data, *LM, "--moe-freq", str(freq), "--decoder-layers", str(layers))
     assert len(model.decoder.layers) == layers
@@ -232,6 +232,12 @@ def test_lm_every_freq_th_decoder_layer_is_moe(data, freq, layers, expected):
     assert isinstance(model.moe_config, MoEConfig)
     expert_names = [n for n, p in model.named_parameters() if ".moe.experts." in n]
     assert sorted(model._ddp_params_and_buffers_to_ignore) == sorted(expert_names)
+
+
+@pytest.mark.parametrize("freq,layers", [(0, 2), (3, 2)])
+def test_a_moe_freq_that_gives_no_moe_layer_is_refused(data, freq, layers):
+    with pytest.raises(ConfigError, match=f"--moe-freq={freq}"):
+        _build(data, *LM, "--moe-freq", str(freq), "--decoder-layers", str(layers))
 
 
 def test_expert_ffn_hidden_size_flag(data):
