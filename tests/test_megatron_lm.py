@@ -84,8 +84,8 @@ def _env(tmp_path, checkout_dir, record_dir):
     return env
 
 
-def _torchrun(cmd_tail, env, cwd):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"] + cmd_tail
+def _torchrun(cmd_tail, env, cwd, nproc=2):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)] + cmd_tail
     p = subprocess.run(cmd, env=env, cwd=str(cwd), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                        timeout=TIMEOUT)
     return p.returncode, p.stdout
@@ -127,6 +127,29 @@ def test_patched_pretrain_gpt(checkout, tmp_path):
     rc, out = _torchrun([os.path.join(root, "pretrain_gpt.py")] + CPU_ARGS + TINY_ARGS + MOE_ARGS + POLICY_ARGS
                         + ["--log-interval", "1"], _env(tmp_path, root, record), tmp_path)
     _check_training(rc, out, record, log_interval=1)
+
+
+def test_patched_pretrain_gpt_tensor_parallel_sequence_parallel_expert_parallel(checkout, tmp_path):
+    """TP=2 + sequence parallel + EP=2 on 4 gloo processes through the patched script: Megatron-LM's validate_args
+    asks the GPU's architecture whenever TP > 1, which the CPU shims answer (no GPU: 0), so the plugin's own TP
+    checks are reached and training runs; each tensor-parallel rank routes its own sequence shard."""
+    root = _copy_checkout(checkout, tmp_path / "Megatron-LM")
+    p = subprocess.run(["git", "apply", PATCH], cwd=root, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    assert p.returncode == 0, p.stdout
+    tp = ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--expert-tensor-parallel-size", "1"]
+    rc, out = _torchrun([os.path.join(root, "pretrain_gpt.py")] + CPU_ARGS + TINY_ARGS + MOE_ARGS + tp
+                        + ["--log-interval", "1"], _env(tmp_path, root, tmp_path), tmp_path, nproc=4)
+    assert rc == 0, _tail(out)
+    losses = {int(i): float(v) for i, v in LM_LOSS.findall(out)}
+    assert sorted(losses) == list(range(1, ITERS + 1)) and all(math.isfinite(v) for v in losses.values()), _tail(out)
+    assert re.search(r"tensor model parallel size\s*\.+\s*2", out) or "tensor_model_parallel_size" in out, _tail(out)
+    summary = re.findall(r"\[megamoe-plugin\] iteration\s+(\d+) \| L1 bal", out)
+    assert [int(i) for i in summary] == list(range(1, ITERS + 1)), _tail(out)
+    # without the plugin's TP requirement met, the plugin's own check now speaks (it was never reached before)
+    rc, out = _torchrun([os.path.join(root, "pretrain_gpt.py")] + CPU_ARGS + TINY_ARGS + MOE_ARGS
+                        + ["--tensor-model-parallel-size", "2", "--expert-tensor-parallel-size", "2"],
+                        _env(tmp_path, root, tmp_path), tmp_path, nproc=2)
+    assert rc != 0 and "error: megamoe-plugin: --expert-tensor-parallel-size=2" in out, _tail(out)
 
 
 def test_launcher_unmodified_pretrain_gpt(checkout, tmp_path):

@@ -278,6 +278,21 @@ def _shim_training_on_cpu() -> None:
         module_cuda._megamoe_wrapped = True
         torch.nn.Module.cuda = module_cuda
         _APPLIED.append("Tensor.cuda / Module.cuda -> stay on the CPU (torch without CUDA)")
+    # validate_args asks the GPU's architecture whenever TP or CP > 1 (get_device_arch_version() reads
+    # torch.cuda.get_device_properties("cuda:0")), to decide whether CUDA_DEVICE_MAX_CONNECTIONS=1 is required for
+    # overlapping TP communication with GEMMs. Without CUDA there is no architecture (0) and no CUDA connection:
+    # the variable is set to the value Megatron asks for, which nothing on the CPU reads.
+    utils = importlib.import_module("megatron.training.utils")
+    arguments = importlib.import_module("megatron.training.arguments")
+    if not getattr(utils.get_device_arch_version, "_megamoe_wrapped", False):
+        def get_device_arch_version():
+            return 0
+        get_device_arch_version._megamoe_wrapped = True
+        for mod in (utils, arguments):
+            if hasattr(mod, "get_device_arch_version"):
+                mod.get_device_arch_version = get_device_arch_version
+        os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+        _APPLIED.append("get_device_arch_version -> 0 (no GPU), CUDA_DEVICE_MAX_CONNECTIONS=1")
     # The legacy fused kernels (CUDA softmax; unused by --transformer-impl local on CPU) are built with nvcc.
     fk = importlib.import_module("megatron.legacy.fused_kernels")
     if not getattr(fk.load, "_megamoe_wrapped", False):
