@@ -2,6 +2,7 @@
 
     pip install -e .                     # the core (pure PyTorch + torch.distributed) and the `megamoe` command
     pip install -e ".[megatron]"         # + Megatron-Core adapter
+    pip install -e ".[megatron-lm]"      # + what a Megatron-LM checkout's pretrain_gpt.py imports (six, pydantic, ...)
     pip install -e ".[dev]"              # + tests, Megatron-Core, plotting
 
 fairseq: the adapter targets fairseq-fixed==0.12.3.1, whose published metadata pins dependencies that do not
@@ -38,6 +39,9 @@ def read_readme() -> str:
 
 
 MEGATRON = ["megatron-core==0.16.1", "psutil"]   # psutil: megatron-core's dist_checkpointing writer needs it
+# What Megatron-LM's training code (megatron/training, pretrain_gpt.py) imports beyond megatron-core's own needs
+# (found by running tests/test_megatron_lm.py in a fresh virtual environment)
+MEGATRON_LM = ["six", "regex", "pyyaml", "pydantic"]
 # Runtime dependencies of fairseq-fixed==0.12.3.1, which itself must be installed with
 # `pip install --no-deps --no-build-isolation fairseq-fixed==0.12.3.1` (see the module docstring).
 FAIRSEQ_RUNTIME_DEPS = ["hydra-core==1.3.2", "omegaconf==2.3.0", "bitarray", "sacrebleu>=1.4.12", "regex", "tqdm",
@@ -56,6 +60,7 @@ setup(
     install_requires=["torch==2.13.0", "numpy"],
     extras_require={
         "megatron": MEGATRON,
+        "megatron-lm": MEGATRON + MEGATRON_LM,
         "fairseq": FAIRSEQ_RUNTIME_DEPS,
         "dev": ["pytest", "matplotlib"] + MEGATRON,
     },

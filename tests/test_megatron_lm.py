@@ -8,6 +8,7 @@ Needs ``MEGATRON_LM_DIR``: a Megatron-LM checkout matching the installed megatro
 to a temporary directory (the patch is applied to the copy; the checkout is never modified). Without it the whole
 module is skipped; ``pytest -rs`` shows the reason.
 """
+import importlib.util
 import json
 import math
 import os
@@ -22,6 +23,12 @@ SKIP_REASON = "MEGATRON_LM_DIR not set: the Megatron-LM pretrain_gpt.py patch an
 MEGATRON_LM_DIR = os.environ.get("MEGATRON_LM_DIR", "")
 if not MEGATRON_LM_DIR:
     pytest.skip(SKIP_REASON, allow_module_level=True)
+
+# Megatron-LM's training code imports these beyond megatron-core's needs (the ".[megatron-lm]" extra)
+MISSING = [m for m in ("six", "regex", "yaml", "pydantic") if importlib.util.find_spec(m) is None]
+if MISSING:
+    pytest.skip(f"Megatron-LM's training code needs {', '.join(MISSING)}: pip install -e '.[megatron-lm]' "
+                "(the pretrain_gpt.py tests were SKIPPED)", allow_module_level=True)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HELPERS = os.path.join(REPO, "tests", "helpers")
