@@ -104,3 +104,18 @@ def test_bad_checkpoints_are_argparse_errors_before_anything_is_built(tmp_path, 
         err = capsys.readouterr().err
         assert e.value.code == 2 and needle in err, (argv, err)
     assert not built                                             # nothing was read or built for any of them
+
+
+def test_a_checkpoint_of_another_model_is_refused_before_the_corpus(tmp_path, single_process, capsys, monkeypatch):
+    ck = str(tmp_path / "ck.pt")
+    train.main([*TINY, "--steps", "1", "--save", ck])
+    import megamoe_plugin.train as t
+    built = []
+    monkeypatch.setattr(t, "build_corpus", lambda *a, **k: built.append(1))
+    for argv, needle in ((["--hidden", "32"], "--hidden: checkpoint 64, now 32"),
+                         (["--moe-num-experts", "4"], "--moe-num-experts: checkpoint 8, now 4")):
+        with pytest.raises(SystemExit):
+            t.main([*TINY, "--resume", ck, *argv])
+        err = capsys.readouterr().err
+        assert "the checkpoint does not match this model" in err and needle in err, err
+    assert not built
