@@ -10,6 +10,7 @@
     megamoe cache-sim         expert-buffering miss rates vs cache size on a trace, incl. Belady's MIN
     megamoe balance           greedy / anti-correlation expert placement from a trace -> --moe-placement-file
     megamoe reproduce <paper> a paper's tables and figures, each number labelled measured / predicted / paper
+    megamoe cluster run ...   a torch.distributed job on an emulated multi-node cluster (network namespaces)
 
 Everything after the subcommand is handed to it unparsed (``parse_known_args``), so ``megamoe train -h`` shows the
 trainer's own help.
@@ -114,7 +115,9 @@ def _topology(argv: List[str]) -> int:
     p.add_argument("--moe-topology", default="", help="Nested list; default: from WORLD_SIZE / LOCAL_WORLD_SIZE.")
     p.add_argument("--moe-topology-bandwidth-gbps", default="", help="Comma list per level, innermost first.")
     p.add_argument("--moe-topology-latency-us", default="", help="Comma list per level, innermost first.")
-    p.add_argument("--measure", action="store_true", help="Ping-pong over a gloo group (launch with torchrun).")
+    p.add_argument("--measure", action="store_true", help="Ping-pong every rank pair over a gloo group (launch with "
+                   "torchrun or megamoe cluster run): infer the nodes from the measured bandwidths (with "
+                   "--moe-topology: keep that tree, measure its levels).")
     args = p.parse_args(argv)
     floats = lambda t: [float(v) for v in t.split(",")] if t else None   # noqa: E731
     kw = dict(bandwidth_gbps=floats(args.moe_topology_bandwidth_gbps), latency_us=floats(args.moe_topology_latency_us))
@@ -124,7 +127,7 @@ def _topology(argv: List[str]) -> int:
         p.error(f"--moe-topology: {err}")
     if args.measure:
         dist.init_process_group("gloo")
-        topo = topo.measure()
+        topo = topo.measure() if args.moe_topology else Topology.discover()
         if dist.get_rank() != 0:
             dist.destroy_process_group()
             return 0
@@ -169,6 +172,11 @@ def _balance(argv: List[str]) -> int:
     return 0
 
 
+def _cluster(argv: List[str]) -> int:
+    from .cluster import cli as cluster_cli
+    return cluster_cli.main(argv)
+
+
 def _reproduce(argv: List[str]) -> int:
     from . import reproduce
     reproduce.main(argv)
@@ -185,6 +193,7 @@ _COMMANDS = {
     "trace": (_trace, "Run a trained checkpoint over held-out text; record its routing trace and a heatmap (004)."),
     "cache-sim": (_cache_sim, "Expert-buffering miss rates vs cache size on a trace: LIFO/FIFO/LRU/LFU/Belady (004)."),
     "balance": (_balance, "Greedy / anti-correlation expert placement from a trace; writes --moe-placement-file (004)."),
+    "cluster": (_cluster, "An emulated multi-node cluster (network namespaces, shaped links): run a job on it."),
     "reproduce": (_reproduce, "Regenerate a paper's tables and figures: fastermoe|tamoe|flexmoe|dynamoe|deployment."),
 }
 

@@ -8,8 +8,11 @@ rank itself, 1 for devices under the same innermost switch (intra-node), ..., ``
 paper 002 §4.1 (beta = 1 / bandwidth). FasterMoE's Hir gate (paper 003 §4.3) reads W_local (level 1) and W_net
 (the top level) from here; TA-MoE's target dispatch pattern and the performance model read the matrices.
 
-``Topology.from_env`` builds the default from the launcher (WORLD_SIZE, LOCAL_WORLD_SIZE); ``measure`` times
-point-to-point transfers over a real process group and returns a copy with measured alpha and bandwidth per level.
+``Topology.from_env`` builds the default from the launcher: the nodes and per-level bandwidths the emulated cluster
+exports (``MEGAMOE_TOPOLOGY``, ``MEGAMOE_TOPOLOGY_BANDWIDTH_GBPS``, set by ``megamoe cluster run``), else nodes of
+LOCAL_WORLD_SIZE ranks (torchrun's layout). ``measure`` times point-to-point transfers over a real process group and
+returns a copy with measured alpha and bandwidth per level; ``discover`` measures every rank pair and infers the
+nodes themselves (ranks whose pairs are markedly faster than the slowest pairs share a node).
 """
 from __future__ import annotations
 
@@ -55,8 +58,19 @@ class Topology:
 
     @classmethod
     def from_env(cls, world_size: Optional[int] = None, local_world_size: Optional[int] = None, **kw) -> "Topology":
-        """Nodes of LOCAL_WORLD_SIZE consecutive ranks (torchrun's layout); one flat node when it is unknown."""
+        """The launcher's topology: ``MEGAMOE_TOPOLOGY`` (+ ``MEGAMOE_TOPOLOGY_BANDWIDTH_GBPS`` unless bandwidths
+        are given) when it describes ``world_size`` ranks, else nodes of LOCAL_WORLD_SIZE consecutive ranks
+        (torchrun's layout); one flat node when that is unknown."""
         world = world_size or int(os.environ.get("WORLD_SIZE", "1"))
+        spec = os.environ.get("MEGAMOE_TOPOLOGY", "")
+        if spec and local_world_size is None:
+            env_bw = os.environ.get("MEGAMOE_TOPOLOGY_BANDWIDTH_GBPS", "")
+            if kw.get("bandwidth_gbps") is None and env_bw:
+                kw = dict(kw, bandwidth_gbps=[float(v) for v in env_bw.split(",")])
+            topo = cls.parse(spec, **kw)
+            if topo.num_ranks == world:
+                return topo
+            kw.pop("bandwidth_gbps", None) if not env_bw else None
         local = local_world_size or int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
         if local < 1 or world % local:
             raise ValueError(f"LOCAL_WORLD_SIZE={local} does not divide WORLD_SIZE={world}")
@@ -158,6 +172,75 @@ class Topology:
                 lat[lvl - 1] = float(result[2 * (lvl - 1)])
                 bw[lvl - 1] = float(result[2 * (lvl - 1) + 1])
         return self.with_levels(bw, lat)
+
+
+    @classmethod
+    def discover(cls, group=None, small_bytes: int = 8, large_bytes: int = 1 << 20, iters: int = 3,
+                 fast_ratio: float = 2.0) -> "Topology":
+        """Collective: measure every rank pair's point-to-point bandwidth and infer the nodes: pairs at least
+        ``fast_ratio`` times faster than the slowest pairs share a node (connected components). Returns the
+        two-level tree ``[[...], [...]]`` with the median measured bandwidth and latency of each level, or one flat
+        node when no pair stands out. Every rank gets the same answer."""
+        import torch.distributed as dist
+
+        world, me = dist.get_world_size(group), dist.get_rank(group)
+        gl = (lambda r: dist.get_global_rank(group, r)) if group is not None else (lambda r: r)
+        device = _comm_device(group)
+        bw = torch.zeros(world, world, dtype=torch.float64, device=device)
+        lat = torch.zeros(world, world, dtype=torch.float64, device=device)
+        for i in range(world):
+            for j in range(i + 1, world):
+                if me in (i, j):
+                    other = j if me == i else i
+                    t_small = _pingpong(me == i, gl(other), small_bytes, iters, device)
+                    t_large = _pingpong(me == i, gl(other), large_bytes, iters, device)
+                    if me == i:
+                        lat[i, j] = t_small
+                        bw[i, j] = large_bytes / max(t_large - t_small, 1e-9)
+                dist.barrier(group)
+        dist.all_reduce(bw, group=group)
+        dist.all_reduce(lat, group=group)
+        bw, lat = (bw + bw.t()).cpu(), (lat + lat.t()).cpu()
+        return cls.from_pair_bandwidths(bw, lat, fast_ratio)
+
+    @classmethod
+    def from_pair_bandwidths(cls, bw: torch.Tensor, lat: Optional[torch.Tensor] = None,
+                             fast_ratio: float = 2.0) -> "Topology":
+        """The tree ``discover`` infers from a symmetric [P, P] matrix of pair bandwidths (bytes/s; the diagonal
+        is ignored) and optional latencies (seconds)."""
+        P = bw.shape[0]
+        if P == 1:
+            return cls([0])
+        off = ~torch.eye(P, dtype=torch.bool)
+        slow = float(bw[off].min())
+        fast = (bw >= fast_ratio * slow) & off
+        parent = list(range(P))
+
+        def find(a):
+            while parent[a] != a:
+                parent[a] = parent[parent[a]]
+                a = parent[a]
+            return a
+        for i, j in fast.nonzero().tolist():
+            parent[find(i)] = find(j)
+        nodes: dict = {}
+        for r in range(P):
+            nodes.setdefault(find(r), []).append(r)
+        groups = sorted(nodes.values())
+        lat = lat if lat is not None else torch.zeros_like(bw)
+
+        def median(mask):
+            vals = bw[mask].tolist()
+            lats = lat[mask].tolist()
+            return sorted(vals)[len(vals) // 2] / 1e9, sorted(lats)[len(lats) // 2] * 1e6
+        node_of = torch.tensor([next(k for k, g in enumerate(groups) if r in g) for r in range(P)])
+        same = (node_of[:, None] == node_of[None, :]) & off
+        if len(groups) == 1 or len(groups) == P or len({len(g) for g in groups}) != 1:
+            b, a = median(off)           # no pair stands out (or nodes of unequal size): one flat level
+            return cls(list(range(P)), bandwidth_gbps=[b], latency_us=[a])
+        b_in, a_in = median(same)
+        b_out, a_out = median(off & ~same)
+        return cls(groups, bandwidth_gbps=[b_in, b_out], latency_us=[a_in, a_out])
 
 
 def _comm_device(group) -> torch.device:

@@ -73,8 +73,10 @@ def _fit_line(xs: Sequence[float], ys: Sequence[float]):
 
 # --- micro-benchmarks -------------------------------------------------------------------------------------------------
 def measure_gemm(hidden: int = 256, ffn: int = 1024, tokens: Sequence[int] = (256, 1024, 2048, 4096),
-                 iters: int = 5, device=None, dtype=torch.float32) -> Dict[str, float]:
-    """Expert FFN forward+backward on this rank: fitted FLOP/s (P) and per-call overhead t0."""
+                 iters: int = 5, device=None, dtype=torch.float32, group=None) -> Dict[str, float]:
+    """Expert FFN forward+backward: fitted FLOP/s (P) and per-call overhead t0. With ``group`` (collective) every
+    rank computes at the same time and the slowest rank's time counts: the rate each rank really gets when the
+    ranks share the machine's cores, as they do in a training step."""
     device = torch.device(device or "cpu")
     bank = ExpertBank(1, hidden, ffn, "gelu", device=device, dtype=dtype)
     xs, ys = [], []
@@ -83,7 +85,7 @@ def measure_gemm(hidden: int = 256, ffn: int = 1024, tokens: Sequence[int] = (25
 
         def step():
             bank(x, [B]).sum().backward()
-        t = _timed(step, iters, 2, device)
+        t = _timed(step, iters, 2, device, group)
         xs.append(12.0 * B * hidden * ffn)
         ys.append(t)
     t0, inv_p = _fit_line(xs, ys)
@@ -129,8 +131,9 @@ DEFAULT_CASES = (
 )
 
 
-def measure_layer(case: LayerCase, group=None, iters: int = 5, device=None, seed: int = 0):
-    """Median forward+backward time of a real MoELayer (EP = the group) and its routing counts [P, E]."""
+def build_layer_case(case: LayerCase, group=None, device=None, seed: int = 0):
+    """(a real MoELayer with EP = the group, this rank's input [tokens, hidden] with requires_grad) for ``case``;
+    with ``skew`` a shared input direction that expert 0's gate row likes sends more tokens to expert 0."""
     device = torch.device(device or "cpu")
     P, rank = dist.get_world_size(group), dist.get_rank(group)
     cfg = MoEConfig(num_experts=case.experts, top_k=case.top_k, gate="naive", expert_parallel_size=P,
@@ -145,7 +148,14 @@ def measure_layer(case: LayerCase, group=None, iters: int = 5, device=None, seed
             direction = torch.ones(case.hidden, device=device) / math.sqrt(case.hidden)
             x += case.skew * direction
             layer.gate.weight[0] += direction * case.skew
-    x.requires_grad_(True)
+    return layer, x.requires_grad_(True)
+
+
+def measure_layer(case: LayerCase, group=None, iters: int = 5, device=None, seed: int = 0):
+    """Median forward+backward time of a real MoELayer (EP = the group) and its routing counts [P, E]."""
+    device = torch.device(device or "cpu")
+    P = dist.get_world_size(group)
+    layer, x = build_layer_case(case, group, device, seed)
 
     def step():
         layer(x).sum().backward()
@@ -176,7 +186,9 @@ class Calibration:
         p = self.profile
         lines = [f"calibrated profile {p.name!r} ({p.nodes} node(s) x {p.gpus_per_node} rank(s)), measured here:",
                  f"  GEMM (expert FFN fwd+bwd): {p.gemm_tflops * 1e3:.1f} GFLOP/s per rank, call overhead "
-                 f"{self.gemm['overhead_s'] * 1e6:.0f} us",
+                 f"{self.gemm['overhead_s'] * 1e6:.0f} us"
+                 + (f"; the ranks share {p.shared_gemm_tflops * 1e3:.1f} GFLOP/s in all (one machine's cores)"
+                    if p.shared_gemm_tflops else ""),
                  f"  all-to-all: {self.alltoall['bandwidth'] / 1e9:.2f} GB/s per rank link, alpha "
                  f"{self.alltoall['alpha_s'] * 1e6:.0f} us",
                  f"  point-to-point per level (GB/s): {[round(b, 3) for b in self.topology.bandwidth_gbps]}, "
@@ -203,23 +215,39 @@ def calibrate(group=None, name: str = "measured-local", quick: bool = False, dev
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     P = dist.get_world_size(group)
     iters = 3 if quick else 5
-    gemm = measure_gemm(tokens=(256, 1024, 2048) if quick else (256, 1024, 2048, 4096), iters=iters, device=device)
-    flops = torch.tensor([gemm["flops"]], dtype=torch.float64)
-    dist.all_reduce(flops, op=dist.ReduceOp.MIN, group=group)     # the slowest rank sets the pace
-    gemm["flops"] = float(flops)
+    sizes = (256, 1024, 2048) if quick else (256, 1024, 2048, 4096)
+    gemm = measure_gemm(tokens=sizes, iters=iters, device=device, group=group)      # every rank at once
+    solo = torch.tensor([gemm["flops"]], dtype=torch.float64)
+    if dist.get_rank(group) == 0 and P > 1 and device.type == "cpu":            # rank 0 alone, the others idle
+        solo[0] = measure_gemm(tokens=sizes, iters=iters, device=device)["flops"]
+    dist.broadcast(solo, dist.get_global_rank(group, 0) if group is not None else 0, group=group)
+    gemm["solo_flops"] = float(solo)
+    shared = 0.0
+    if gemm["solo_flops"] > 1.25 * gemm["flops"]:
+        # the ranks slow each other down (CPU ranks sharing one machine's cores): a rank alone is faster, and
+        # together they share a pool; the model takes the larger of the busiest rank alone and the pool's total
+        shared, gemm["flops"] = gemm["flops"] * P, gemm["solo_flops"]
     a2a = measure_alltoall(group, iters=iters, device=device)
     topo = Topology.from_env(world_size=P).measure(group, iters=iters)
     local = topo.ranks_per_node()
     tiny = LayerCase(64, 64, P, 16, top_k=1)
     overhead, _ = measure_layer(tiny, group, iters=iters, device=device)
-    bw_gbps = a2a["bandwidth"] / 1e9
+    if topo.depth >= 2 and P > local:
+        # several nodes (a torchrun job over hosts, or megamoe cluster run): each level from its own ping-pong;
+        # the uniform all-to-all mixes both levels, so it gives only the latency of one exchange
+        intra_gbps, intra_us = topo.bandwidth_gbps[0], topo.latency_us[0]
+        source = ("measured here: expert-FFN GEMM fit (all ranks computing at once), ping-pong per topology level "
+                  "(intra-node link, per-node network link), all-to-all latency")
+    else:
+        intra_gbps, intra_us = a2a["bandwidth"] / 1e9, a2a["alpha_s"] * 1e6
+        source = ("measured here: expert-FFN GEMM fit (all ranks computing at once), all-to-all fit (per-rank link "
+                  "bandwidth and alpha), ping-pong per topology level")
     profile = HardwareProfile(
         name=name, description=f"this machine: {P} rank(s) on {device.type}, fitted by megamoe perf calibrate",
-        source="measured here: expert-FFN GEMM fit, all-to-all fit (per-rank link bandwidth and alpha), "
-               "ping-pong per topology level",
-        nodes=max(P // local, 1), gpus_per_node=local, gemm_tflops=gemm["flops"] / 1e12, intra="switch",
-        intra_bandwidth_gbps=bw_gbps, ring_bandwidths_gbps=None, nic_bandwidth_gbps=topo.bandwidth_gbps[-1],
-        intra_latency_us=a2a["alpha_s"] * 1e6, nic_latency_us=topo.latency_us[-1], bytes_per_element=4)
+        source=source, nodes=max(P // local, 1), gpus_per_node=local, gemm_tflops=gemm["flops"] / 1e12,
+        intra="switch", intra_bandwidth_gbps=intra_gbps, ring_bandwidths_gbps=None,
+        nic_bandwidth_gbps=topo.bandwidth_gbps[-1], intra_latency_us=intra_us, nic_latency_us=topo.latency_us[-1],
+        bytes_per_element=4, shared_gemm_tflops=shared / 1e12)
     return Calibration(profile, gemm, a2a, topo, overhead)
 
 

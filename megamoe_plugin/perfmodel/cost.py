@@ -76,10 +76,12 @@ class CostModel:
 
     gemm_flops: FLOP/s per device (P_w of Eq.1), a float or one value per rank. tokens_per_second: forward
     tokens/s of one expert per device (FlexMoE's TPS, float or per rank); when given it replaces Eq.1.
-    sync_bps: profiled all-reduce bytes/s per device group, keyed by the sorted tuple of its ranks."""
+    sync_bps: profiled all-reduce bytes/s per device group, keyed by the sorted tuple of its ranks.
+    shared_gemm_flops: FLOP/s of a compute pool all ranks share (CPU ranks on one machine's cores: a rank runs
+    faster while the others wait); 0 = every rank computes on its own device (GPUs)."""
 
     def __init__(self, network: Network, gemm_flops, shape: LayerShape, tokens_per_second=None,
-                 sync_bps: Optional[dict] = None):
+                 sync_bps: Optional[dict] = None, shared_gemm_flops: float = 0.0):
         self.network = network
         self.shape = shape
         self.num_ranks = network.num_ranks
@@ -87,6 +89,7 @@ class CostModel:
         self.tokens_per_second = None if tokens_per_second is None else \
             self._per_rank(tokens_per_second, "tokens_per_second")
         self.sync_bps = {tuple(sorted(int(r) for r in k)): float(v) for k, v in (sync_bps or {}).items()}
+        self.shared_gemm_flops = float(shared_gemm_flops or 0.0)
 
     def _per_rank(self, value, what) -> torch.Tensor:
         t = torch.as_tensor(value, dtype=torch.float64).reshape(-1)
@@ -100,13 +103,17 @@ class CostModel:
 
     # --- the three terms ---------------------------------------------------------------------------------------
     def compute_time(self, tokens_per_rank) -> float:
-        """One forward of the expert FFNs, Eq.1: max_w 4 B_w H ffn / P_w (or max_w B_w / TPS_w)."""
+        """One forward of the expert FFNs, Eq.1: max_w 4 B_w H ffn / P_w (or max_w B_w / TPS_w); with a shared
+        compute pool, at least the total work over the pool's rate."""
         b = torch.as_tensor(tokens_per_rank).to(torch.float64).reshape(-1)
         if b.numel() != self.num_ranks:
             raise ValueError(f"tokens_per_rank: {b.numel()} values for {self.num_ranks} ranks")
         if self.tokens_per_second is not None:
             return float((b / self.tokens_per_second).max())
-        return float((self.shape.flops_per_token * b / self.gemm_flops).max())
+        t = float((self.shape.flops_per_token * b / self.gemm_flops).max())
+        if self.shared_gemm_flops > 0:
+            t = max(t, float(self.shape.flops_per_token * b.sum() / self.shared_gemm_flops))
+        return t
 
     def alltoall_time(self, rank_tokens) -> float:
         """One all-to-all-v of [P, P] tokens src -> dst (Eq.2 over the network)."""

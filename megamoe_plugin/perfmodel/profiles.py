@@ -47,6 +47,7 @@ class HardwareProfile:
     bytes_per_element: int = 2
     tokens_per_second: Optional[float] = None  # profiled forward TPS of one expert (FlexMoE Eq.7); None = Eq.1
     sync_bps: Dict[str, float] = field(default_factory=dict)  # profiled all-reduce B/s, key "0,1,5" (sorted ranks)
+    shared_gemm_tflops: float = 0.0        # a compute pool all ranks share (CPU ranks on one machine); 0 = none
 
     @property
     def world_size(self) -> int:
@@ -91,7 +92,7 @@ class HardwareProfile:
         sync = {tuple(int(r) for r in k.split(",")): v for k, v in self.sync_bps.items()}
         sync = {k: v for k, v in sync.items() if max(k) < net.num_ranks}
         return CostModel(net, self.gemm_tflops * 1e12, shape, tokens_per_second=self.tokens_per_second,
-                         sync_bps=sync)
+                         sync_bps=sync, shared_gemm_flops=self.shared_gemm_tflops * 1e12)
 
     # --- persistence -------------------------------------------------------------------------------------------
     def to_dict(self) -> dict:

@@ -1,0 +1,216 @@
+"""``megamoe cluster run``: start a torch.distributed job on an emulated multi-node cluster, like torchrun.
+
+For N nodes x G processes it creates the cluster (``netns.EmulatedCluster``), probes the shaped links, then starts
+G processes inside each node's namespace with torchrun's environment (RANK, LOCAL_RANK, WORLD_SIZE,
+LOCAL_WORLD_SIZE, GROUP_RANK, MASTER_ADDR = node 0's address, MASTER_PORT) plus GLOO_SOCKET_IFNAME (the node's
+NIC), so an unmodified program runs: ``megamoe train``, the Megatron trainer, Megatron-LM's ``pretrain_gpt.py``
+through the launcher or patch, fairseq-train through the plugin's fairseq launcher, the benchmarks. It also sets
+``MEGAMOE_TOPOLOGY`` and ``MEGAMOE_TOPOLOGY_BANDWIDTH_GBPS`` (the nodes and the probed per-level bandwidths), which
+the gates and the performance model read when no ``--moe-topology`` is given.
+
+Rank 0's output is streamed; every rank's output goes to ``<log-dir>/rank<r>.log``. The job's exit status is the
+first failing rank's (the others are then stopped), 124 on ``--timeout``, 130/143 on Ctrl-C/SIGTERM. On every
+exit path every process it started is ended and every namespace, veth and bridge it created is removed.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Sequence
+
+from .netns import EmulatedCluster
+
+PROBE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "probe.py")
+
+
+class _Stopped(Exception):
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+@dataclass
+class ProbeResult:
+    inter_bytes_per_s: Optional[float]     # node 1 -> node 0 over the shaped links (None with one node)
+    intra_bytes_per_s: float               # two processes of node 0 (loopback inside the namespace)
+
+
+def _die_with_parent() -> None:
+    """In the child, before exec: SIGKILL when the launcher dies (even by SIGKILL), so no rank outlives it."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)     # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+def _measure(cluster: EmulatedCluster, src: int, dst: int, nbytes: int, port: int) -> float:
+    """Bytes per second of one TCP stream from node ``src`` to node ``dst``'s address."""
+    addr = cluster.nodes[dst].address
+    server = subprocess.Popen(cluster.exec_prefix(dst) + [sys.executable, PROBE, "serve", addr, str(port)],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=_die_with_parent)
+    try:
+        if server.stdout.readline().strip() != "ready":
+            raise RuntimeError(f"bandwidth probe: the server did not start: {server.stderr.read()[:300]}")
+        subprocess.run(cluster.exec_prefix(src) + [sys.executable, PROBE, "send", addr, str(port), str(nbytes)],
+                       check=True, timeout=120, capture_output=True)
+        out, err = server.communicate(timeout=120)
+        total, seconds = out.split()[:2]
+        return float(total) / max(float(seconds), 1e-9)
+    finally:
+        if server.poll() is None:
+            server.kill()
+            server.wait()
+
+
+def probe(cluster: EmulatedCluster, port: int) -> ProbeResult:
+    """Inter-node (if there are 2+ nodes) and intra-node bandwidth, measured on the running cluster; each transfer
+    is sized for about half a second at the shaped rate."""
+    inter = None
+    if len(cluster.nodes) > 1:
+        inter = _measure(cluster, 1, 0, max(int(cluster.inter_bandwidth * 0.5), 1 << 20), port)
+    intra_size = int(cluster.intra_bandwidth * 0.5) if cluster.intra_bandwidth else 256 << 20
+    intra = _measure(cluster, 0, 0, max(intra_size, 1 << 20), port)
+    return ProbeResult(inter, intra)
+
+
+def rank_env(cluster: EmulatedCluster, rank: int, procs_per_node: int, master_port: int,
+             probe_result: Optional[ProbeResult], base: Optional[Dict[str, str]] = None) -> Dict[str, str]:
+    """torchrun's variables for ``rank`` plus GLOO_SOCKET_IFNAME and the topology the job runs on."""
+    nodes = len(cluster.nodes)
+    world = nodes * procs_per_node
+    node = cluster.nodes[rank // procs_per_node]
+    env = dict(os.environ if base is None else base)
+    env.update(RANK=str(rank), LOCAL_RANK=str(rank % procs_per_node), WORLD_SIZE=str(world),
+               LOCAL_WORLD_SIZE=str(procs_per_node), GROUP_RANK=str(node.index), NODE_RANK=str(node.index),
+               MASTER_ADDR=cluster.master_addr, MASTER_PORT=str(master_port), GLOO_SOCKET_IFNAME=node.ifname,
+               TORCHELASTIC_RUN_ID=f"megamoe-cluster-{cluster.run_id}", MEGAMOE_CLUSTER=cluster.run_id,
+               MEGAMOE_TOPOLOGY=str([list(range(n * procs_per_node, (n + 1) * procs_per_node))
+                                     for n in range(nodes)]).replace(" ", ""))
+    if probe_result is not None:
+        intra = probe_result.intra_bytes_per_s
+        inter = probe_result.inter_bytes_per_s or cluster.inter_bandwidth
+        env["MEGAMOE_TOPOLOGY_BANDWIDTH_GBPS"] = f"{intra / 1e9:.6g},{inter / 1e9:.6g}"
+    else:
+        intra = cluster.intra_bandwidth or 1e9
+        env["MEGAMOE_TOPOLOGY_BANDWIDTH_GBPS"] = f"{intra / 1e9:.6g},{cluster.inter_bandwidth / 1e9:.6g}"
+    cores = os.cpu_count() or 1
+    env.setdefault("OMP_NUM_THREADS", str(max(1, cores // world)))
+    return env
+
+
+def _stream(pipe, log_path: str, echo) -> None:
+    with open(log_path, "w") as log:
+        for line in iter(pipe.readline, ""):
+            log.write(line)
+            log.flush()
+            echo(line)
+
+
+def run_job(cmd: Sequence[str], nodes: int, procs_per_node: int, inter_bandwidth: float,
+            intra_bandwidth: Optional[float] = None, master_port: int = 29500, log_dir: Optional[str] = None,
+            timeout: float = 3600.0, do_probe: bool = True, echo=None, say=None) -> int:
+    """Create the cluster, run ``cmd`` on every rank, tear everything down; returns the job's exit status."""
+    echo = echo or (lambda line: (sys.stdout.write(line), sys.stdout.flush()))
+    say = say or (lambda text: print(f"megamoe cluster: {text}", file=sys.stderr, flush=True))
+    stop = {}
+
+    def on_signal(signum, frame):
+        raise _Stopped(signum)
+
+    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGHUP)}
+    procs: List[subprocess.Popen] = []
+    threads: List[threading.Thread] = []
+    try:
+        with EmulatedCluster(nodes, inter_bandwidth, intra_bandwidth) as cluster:
+            log_dir = log_dir or os.path.join(os.getcwd(), "cluster_logs", cluster.run_id)
+            os.makedirs(log_dir, exist_ok=True)
+            result = probe(cluster, master_port + 1) if do_probe else None
+            say(_describe(cluster, procs_per_node, result, log_dir))
+            for rank in range(nodes * procs_per_node):
+                env = rank_env(cluster, rank, procs_per_node, master_port, result)
+                full = cluster.exec_prefix(rank // procs_per_node) + list(cmd)
+                if rank == 0:
+                    p = subprocess.Popen(full, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                         bufsize=1, start_new_session=True, preexec_fn=_die_with_parent)
+                    t = threading.Thread(target=_stream, args=(p.stdout, os.path.join(log_dir, "rank0.log"), echo),
+                                         daemon=True)
+                    t.start()
+                    threads.append(t)
+                else:
+                    with open(os.path.join(log_dir, f"rank{rank}.log"), "w") as log:
+                        p = subprocess.Popen(full, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                             start_new_session=True, preexec_fn=_die_with_parent)
+                procs.append(p)
+            return _wait(procs, timeout, log_dir, say)
+    except KeyboardInterrupt:
+        stop["code"] = 130
+        say("interrupted: stopping every rank and removing the emulated cluster")
+        return 130
+    except _Stopped as s:
+        stop["code"] = 128 + s.signum
+        say(f"{s}: stopping every rank and removing the emulated cluster")
+        return 128 + s.signum
+    finally:
+        _terminate(procs)
+        for t in threads:
+            t.join(timeout=5)
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
+def _describe(cluster: EmulatedCluster, g: int, result: Optional[ProbeResult], log_dir: str) -> str:
+    n = len(cluster.nodes)
+    shaped = f"inter-node {cluster.inter_bandwidth / 1e6:.1f} MB/s per node and direction (tbf)"
+    intra = (f"intra-node {cluster.intra_bandwidth / 1e6:.1f} MB/s (tbf on lo)" if cluster.intra_bandwidth
+             else "intra-node unshaped (loopback)")
+    text = f"{n} node(s) x {g} process(es), {shaped}, {intra}"
+    if result is not None:
+        measured = f"intra-node {result.intra_bytes_per_s / 1e6:.0f} MB/s"
+        if result.inter_bytes_per_s is not None:
+            measured = f"inter-node {result.inter_bytes_per_s / 1e6:.1f} MB/s, " + measured
+        text += f" | measured (TCP probe): {measured}"
+    return text + f" | logs: {log_dir}"
+
+
+def _wait(procs: List[subprocess.Popen], timeout: float, log_dir: str, say) -> int:
+    deadline = time.monotonic() + timeout
+    while True:
+        codes = [p.poll() for p in procs]
+        failed = [(r, c) for r, c in enumerate(codes) if c not in (None, 0)]
+        if failed:
+            rank, code = failed[0]
+            say(f"rank {rank} exited with status {code} (log: {os.path.join(log_dir, f'rank{rank}.log')}); "
+                "stopping the other ranks")
+            return code
+        if all(c == 0 for c in codes):
+            return 0
+        if time.monotonic() > deadline:
+            say(f"--timeout {timeout:g}s reached: stopping every rank")
+            return 124
+        time.sleep(0.1)
+
+
+def _terminate(procs: List[subprocess.Popen], grace: float = 5.0) -> None:
+    """SIGTERM every rank's process group, SIGKILL what is left after ``grace`` seconds."""
+    alive = [p for p in procs if p.poll() is None]
+    for p in alive:
+        try:
+            os.killpg(p.pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+    end = time.monotonic() + grace
+    for p in alive:
+        try:
+            p.wait(timeout=max(end - time.monotonic(), 0.01))
+        except subprocess.TimeoutExpired:
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            p.wait()
