@@ -65,12 +65,12 @@ class Topology:
         spec = os.environ.get("MEGAMOE_TOPOLOGY", "")
         if spec and local_world_size is None:
             env_bw = os.environ.get("MEGAMOE_TOPOLOGY_BANDWIDTH_GBPS", "")
+            launcher_kw = dict(kw)
             if kw.get("bandwidth_gbps") is None and env_bw:
-                kw = dict(kw, bandwidth_gbps=[float(v) for v in env_bw.split(",")])
-            topo = cls.parse(spec, **kw)
+                launcher_kw["bandwidth_gbps"] = [float(v) for v in env_bw.split(",")]
+            topo = cls.parse(spec, **launcher_kw)
             if topo.num_ranks == world:
                 return topo
-            kw.pop("bandwidth_gbps", None) if not env_bw else None
         local = local_world_size or int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
         if local < 1 or world % local:
             raise ValueError(f"LOCAL_WORLD_SIZE={local} does not divide WORLD_SIZE={world}")

@@ -451,3 +451,17 @@ def test_64_rank_alltoall_is_fast():
     busiest = max(float(out_node.max()) / 200e9, float(in_node.max()) / 200e9,
                   float(off.sum(1).max()) / 300e9, float(off.sum(0).max()) / 300e9)
     assert first == approx(busiest + 10e-6)
+
+
+def test_shared_compute_pool_bounds_compute_by_total_work():
+    """CPU ranks sharing one machine: the busiest rank alone at the solo rate, or all the work at the pool's rate."""
+    from megamoe_plugin.perfmodel.cost import CostModel, LayerShape
+    from megamoe_plugin.perfmodel.network import Network
+    shape = LayerShape(hidden=4, ffn=8, num_experts=4, bytes_per_element=4)
+    net = Network.hierarchical(1, 4, "switch", 1e9, 1e9)
+    solo, pool = 100.0, 200.0
+    m = CostModel(net, solo, shape, shared_gemm_flops=pool)
+    f = shape.flops_per_token
+    assert m.compute_time([10, 10, 10, 10]) == pytest.approx(f * 40 / pool)          # balanced: the pool binds
+    assert m.compute_time([40, 0, 0, 0]) == pytest.approx(f * 40 / solo)             # one busy rank: alone
+    assert CostModel(net, solo, shape).compute_time([10, 10, 10, 10]) == pytest.approx(f * 10 / solo)

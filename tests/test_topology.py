@@ -58,3 +58,38 @@ def test_topology_command_prints_the_target_pattern(capsys):
                  "--moe-topology-latency-us", "0,0"]) == 0
     out = capsys.readouterr().out
     assert "0.500" in out and "0.125" in out and "[[0,1],[2,3]]" in out
+
+
+def test_discovered_tree_from_pair_bandwidths():
+    import torch
+    fast, slow = 3e9, 25e6
+    bw = torch.full((4, 4), slow, dtype=torch.float64)
+    bw[0, 1] = bw[1, 0] = fast
+    bw[2, 3] = bw[3, 2] = 0.9 * fast
+    t = Topology.from_pair_bandwidths(bw)
+    assert t.spec() == "[[0,1],[2,3]]"
+    assert t.bandwidth_gbps[1] == pytest.approx(slow / 1e9) and t.bandwidth_gbps[0] > 2.5
+    assert Topology.from_pair_bandwidths(torch.full((4, 4), slow, dtype=torch.float64)).spec() == "[0,1,2,3]"
+    bw[0, 2] = bw[2, 0] = fast                                   # ranks 0-1-2-3 chained: one node of 4
+    assert Topology.from_pair_bandwidths(bw).spec() == "[0,1,2,3]"
+
+
+def test_from_env_takes_the_emulated_clusters_topology(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    monkeypatch.setenv("MEGAMOE_TOPOLOGY", "[[0,1],[2,3]]")
+    monkeypatch.setenv("MEGAMOE_TOPOLOGY_BANDWIDTH_GBPS", "3.0,0.1")
+    t = Topology.from_env()
+    assert t.spec() == "[[0,1],[2,3]]" and t.bandwidth_gbps == [3.0, 0.1]
+    assert Topology.from_env(bandwidth_gbps=[5, 1]).bandwidth_gbps == [5.0, 1.0]      # explicit flags win
+    monkeypatch.setenv("WORLD_SIZE", "2")                                              # another job's variable
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert Topology.from_env().spec() == "[0,1]"
+
+
+def test_bandwidth_units():
+    from megamoe_plugin.cluster import parse_bandwidth
+    assert parse_bandwidth("25MB/s") == 25e6 and parse_bandwidth("200Mbit") == 25e6
+    assert parse_bandwidth("1.5GB/s") == 1.5e9 and parse_bandwidth("2MiB/s") == 2 * 1024 ** 2
+    with pytest.raises(ValueError, match="unknown bandwidth unit"):
+        parse_bandwidth("3 furlongs")

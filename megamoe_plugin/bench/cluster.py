@@ -53,7 +53,7 @@ class _ExchangeTimer:
 
 def _replay(calls, keep, group, iters: int) -> float:
     """Median wall time of replaying the recorded exchanges with only the splits to/from peers in ``keep``."""
-    P, me = dist.get_world_size(group), dist.get_rank(group)
+    me = dist.get_rank(group)
     bufs = []
     for ins, outs, _, dtype, tail in calls:
         if not ins:                     # an even split (the count exchange): tiny, keep as is

@@ -32,7 +32,7 @@ from ..config import MoEConfig
 from ..experts import ExpertBank
 from ..layer import MoELayer
 from ..topology import Topology
-from .cost import CostModel, LayerShape
+from .cost import LayerShape
 from .network import Network
 from .profiles import HardwareProfile
 
