@@ -33,7 +33,7 @@ def _env():
 
 def cluster(args, cmd, timeout=300, port=29610):
     full = [sys.executable, "-m", "megamoe_plugin.cli", "cluster", "run", "--master-port", str(port),
-            "--timeout", str(timeout - 30), *args, "--", *cmd]
+            "--timeout", str(timeout - 30), *(args if "--split" in args else [*args, "--no-split"]), "--", *cmd]
     return subprocess.run(full, env=_env(), capture_output=True, text=True, timeout=timeout, cwd=REPO)
 
 
@@ -48,22 +48,26 @@ def test_two_nodes_bandwidth_follows_the_shaping(tmp_path):
     for mbs in (30, 90):
         out = tmp_path / f"a2a{mbs}.json"
         p = cluster(["--nodes", "2", "--procs-per-node", "1", "--inter-node-bandwidth", f"{mbs}MB/s"],
-                    [sys.executable, os.path.join(HELPERS, "cluster_alltoall.py"), str(out), str(4 << 20)])
+                    [sys.executable, os.path.join(HELPERS, "cluster_alltoall.py"), str(out), str(12 << 20)])
         assert p.returncode == 0, p.stderr[-3000:]
         inter, intra = map(float, PROBE.search(p.stderr).groups())
         assert abs(inter - mbs) <= 0.2 * mbs, (mbs, inter)
         assert intra > 3 * inter                                   # within a node: loopback, unshaped
         seconds[mbs] = json.loads(out.read_text())["seconds"]
-    # 4 MiB each way over one shaped link: time ~ bytes / bandwidth, so 3x the bandwidth ~ a third of the time
+    # 12 MiB each way over one shaped link: time ~ bytes / bandwidth, so 3x the bandwidth ~ a third of the time
     ratio = seconds[30] / seconds[90]
-    assert 2.2 < ratio < 3.8, seconds
+    assert 2.3 < ratio < 3.6, seconds
 
 
 @pytest.mark.slow
 def test_two_by_two_topology_is_measured_not_assumed():
-    p = cluster(["--nodes", "2", "--procs-per-node", "2", "--inter-node-bandwidth", "50MB/s"],
-                ["megamoe", "topology", "--measure"])
+    p = subprocess.run([sys.executable, "-m", "megamoe_plugin.cli", "cluster", "run", "--nodes", "2",
+                        "--procs-per-node", "2", "--inter-node-bandwidth", "50MB/s", "--master-port", "29620", "--",
+                        "megamoe", "topology", "--measure"], env=_env(), capture_output=True, text=True, timeout=300,
+                       cwd=REPO)
     assert p.returncode == 0, p.stderr[-3000:]
+    split = re.search(r"reference MoE layer .* \(([0-9]+)% of the step\)", p.stderr)     # measured at start-up
+    assert split and 0 < int(split.group(1)) < 100, p.stderr[-2000:]
     m = re.search(r"Topology\((\[\[0,1\],\[2,3\]\]), bandwidth_gbps=\[([0-9.e-]+), ([0-9.e-]+)\]", p.stdout)
     assert m, p.stdout[-2000:]
     intra, inter = float(m.group(2)), float(m.group(3))

@@ -155,6 +155,31 @@ def _worker(out: str, rounds: int, quick: bool) -> None:
         dist.destroy_process_group()
 
 
+def split_probe(out: str, rounds: int = 3) -> None:
+    """On every rank of a job: a reference MoE layer (H256 F1024, 2 experts per rank, 1024 tokens per rank, top-2,
+    balanced) forward+backward; rank 0 writes the measured step / compute / exchange split to ``out``."""
+    from ..perfmodel.calibrate import LayerCase, build_layer_case
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    try:
+        world = dist.get_world_size()
+        case = LayerCase(256, 1024, 2 * world, 1024)
+        layer, x = build_layer_case(case, seed=1)
+        timer = _ExchangeTimer()
+        dist.all_to_all_single = timer
+        try:
+            step, compute, _ = _time_step(layer, x, timer, rounds)
+        finally:
+            dist.all_to_all_single = timer.real
+        if dist.get_rank() == 0:
+            with open(out, "w") as f:
+                json.dump({"shape": case.label(), "world": world, "step": step, "compute": compute,
+                           "exchange": step - compute}, f)
+    finally:
+        dist.destroy_process_group()
+
+
 def _table(bandwidth: str, res: dict) -> str:
     lines = [f"inter-node {bandwidth} per node (tbf), 2 nodes x 2 ranks, EP=4; {res['topology']}",
              f"{'shape':<22} {'routing':<9} {'step ms':>8} {'compute':>8} {'a2a':>7} {'a2a %':>6} "
@@ -177,7 +202,11 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, dict]:
     p.add_argument("--quick", action="store_true", help="fewer shapes and a quicker calibration")
     p.add_argument("--json", default=None, help="write the results here")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--split-probe", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.split_probe:
+        split_probe(args.split_probe)
+        return {}
     if args.worker:
         _worker(args.worker, args.rounds, args.quick)
         return {}

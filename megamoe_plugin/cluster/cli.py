@@ -30,7 +30,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--master-port", type=int, default=29500, help="rendezvous port on node 0 (port+1: the probe)")
     r.add_argument("--log-dir", default=None, help="every rank's output (default ./cluster_logs/<run id>)")
     r.add_argument("--timeout", type=float, default=3600.0, help="stop the job after this many seconds")
-    r.add_argument("--no-probe", action="store_true", help="skip the start-up bandwidth probe")
+    r.add_argument("--no-probe", action="store_true", help="skip the start-up probes (link bandwidths, layer split)")
+    r.add_argument("--no-split", action="store_true", help="skip measuring a reference MoE layer step's compute / "
+                   "all-to-all split at start-up (a few seconds)")
     r.add_argument("command", nargs=argparse.REMAINDER, help="-- program and its arguments")
     sub.add_parser("check", help="say whether the emulation can run here", description="Say whether the emulated "
                    "cluster can run on this machine (root, ip/tc, namespaces, veth, tbf), and why not.")
@@ -69,4 +71,4 @@ def main(argv: List[str]) -> int:
         print(f"megamoe cluster: {why}", file=sys.stderr)
         return 2
     return run_job(cmd, args.nodes, args.procs_per_node, inter, intra, args.master_port, args.log_dir,
-                   args.timeout, not args.no_probe)
+                   args.timeout, not args.no_probe, split=not (args.no_probe or args.no_split))

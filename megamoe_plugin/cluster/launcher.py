@@ -112,13 +112,57 @@ def _stream(pipe, log_path: str, echo) -> None:
             echo(line)
 
 
+def _start(cluster: EmulatedCluster, cmd: Sequence[str], procs_per_node: int, master_port: int,
+           result: Optional[ProbeResult], log_dir: str, echo=None):
+    """Start ``cmd`` on every rank; rank 0's output streamed to ``echo`` (when given) and its log."""
+    procs, threads = [], []
+    for rank in range(len(cluster.nodes) * procs_per_node):
+        env = rank_env(cluster, rank, procs_per_node, master_port, result)
+        full = cluster.exec_prefix(rank // procs_per_node) + list(cmd)
+        log_path = os.path.join(log_dir, f"rank{rank}.log")
+        if rank == 0 and echo is not None:
+            p = subprocess.Popen(full, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                 bufsize=1, start_new_session=True, preexec_fn=_die_with_parent)
+            t = threading.Thread(target=_stream, args=(p.stdout, log_path, echo), daemon=True)
+            t.start()
+            threads.append(t)
+        else:
+            with open(log_path, "w") as log:
+                p = subprocess.Popen(full, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                     preexec_fn=_die_with_parent)
+        procs.append(p)
+    return procs, threads
+
+
+def _measure_split(cluster, procs_per_node, master_port, result, log_dir, say) -> None:
+    """A reference MoE layer step (EP = every rank) on the cluster before the job: its compute / all-to-all split,
+    measured (``bench.cluster.split_probe``)."""
+    import json
+    out = os.path.join(log_dir, "split.json")
+    split_dir = os.path.join(log_dir, "split")
+    os.makedirs(split_dir, exist_ok=True)
+    procs, _ = _start(cluster, [sys.executable, "-m", "megamoe_plugin.bench.cluster", "--split-probe", out],
+                      procs_per_node, master_port + 2, result, split_dir)
+    try:
+        code = _wait(procs, 300, split_dir, lambda text: None)
+    finally:
+        _terminate(procs)
+    if code == 0 and os.path.exists(out):
+        r = json.load(open(out))
+        say(f"reference MoE layer ({r['shape']}, EP={r['world']}, forward+backward, measured): step "
+            f"{r['step'] * 1e3:.0f} ms = compute {r['compute'] * 1e3:.0f} ms + all-to-all {r['exchange'] * 1e3:.0f} ms "
+            f"({r['exchange'] / r['step']:.0%} of the step)")
+    else:
+        say(f"the reference layer step did not run (status {code}; log: {split_dir})")
+
+
 def run_job(cmd: Sequence[str], nodes: int, procs_per_node: int, inter_bandwidth: float,
             intra_bandwidth: Optional[float] = None, master_port: int = 29500, log_dir: Optional[str] = None,
-            timeout: float = 3600.0, do_probe: bool = True, echo=None, say=None) -> int:
-    """Create the cluster, run ``cmd`` on every rank, tear everything down; returns the job's exit status."""
+            timeout: float = 3600.0, do_probe: bool = True, echo=None, say=None, split: bool = False) -> int:
+    """Create the cluster, run ``cmd`` on every rank, tear everything down; returns the job's exit status.
+    ``split``: first measure a reference MoE layer step's compute / all-to-all split on the cluster."""
     echo = echo or (lambda line: (sys.stdout.write(line), sys.stdout.flush()))
     say = say or (lambda text: print(f"megamoe cluster: {text}", file=sys.stderr, flush=True))
-    stop = {}
 
     def on_signal(signum, frame):
         raise _Stopped(signum)
@@ -132,28 +176,14 @@ def run_job(cmd: Sequence[str], nodes: int, procs_per_node: int, inter_bandwidth
             os.makedirs(log_dir, exist_ok=True)
             result = probe(cluster, master_port + 1) if do_probe else None
             say(_describe(cluster, procs_per_node, result, log_dir))
-            for rank in range(nodes * procs_per_node):
-                env = rank_env(cluster, rank, procs_per_node, master_port, result)
-                full = cluster.exec_prefix(rank // procs_per_node) + list(cmd)
-                if rank == 0:
-                    p = subprocess.Popen(full, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                         bufsize=1, start_new_session=True, preexec_fn=_die_with_parent)
-                    t = threading.Thread(target=_stream, args=(p.stdout, os.path.join(log_dir, "rank0.log"), echo),
-                                         daemon=True)
-                    t.start()
-                    threads.append(t)
-                else:
-                    with open(os.path.join(log_dir, f"rank{rank}.log"), "w") as log:
-                        p = subprocess.Popen(full, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                             start_new_session=True, preexec_fn=_die_with_parent)
-                procs.append(p)
+            if split and nodes * procs_per_node > 1:
+                _measure_split(cluster, procs_per_node, master_port, result, log_dir, say)
+            procs, threads = _start(cluster, cmd, procs_per_node, master_port, result, log_dir, echo)
             return _wait(procs, timeout, log_dir, say)
     except KeyboardInterrupt:
-        stop["code"] = 130
         say("interrupted: stopping every rank and removing the emulated cluster")
         return 130
     except _Stopped as s:
-        stop["code"] = 128 + s.signum
         say(f"{s}: stopping every rank and removing the emulated cluster")
         return 128 + s.signum
     finally:
