@@ -49,6 +49,10 @@ class MoEConfig:
                                                "2*p2 (GShard random routing); 'all' always keeps it.",
                                      SECOND_EXPERT_POLICIES)
     aux_loss_coeff: float = _opt(0.01, "Weight of the gate's balance loss (Switch/GShard/TA-MoE topology loss).")
+    gate_sync: str = _opt("all", "Gate synchronisation over data-parallel ranks: all (gradients averaged every step), "
+                                 "local (each rank's gate learns from its own gradient, as TA-MoE's per-rank targets "
+                                 "need) or average:K (local, plus the gate parameters averaged over ranks every K "
+                                 "optimizer steps).")
     z_loss_coeff: float = _opt(0.0, "Weight of the router z-loss mean(logsumexp(logits)^2) (ST-MoE); 0 disables.")
     gate_fp32: bool = _opt(True, "Compute the gate's logits and softmax in fp32 whatever the model dtype.")
     # --- dispatch ------------------------------------------------------------------------------------------------
@@ -208,6 +212,10 @@ class MoEConfig:
             choices = _field(name).metadata["choices"]
             if getattr(self, name) not in choices:
                 bad(name, f"must be one of {', '.join(choices)}")
+        try:
+            parse_gate_sync(self.gate_sync)
+        except ValueError as e:
+            bad("gate_sync", str(e))
         if not self.capacity_factor > 0:
             bad("capacity_factor", "must be > 0")
         if self.eval_capacity_factor < 0:
@@ -341,6 +349,23 @@ class MoEConfig:
         if unknown:
             raise ConfigError(f"unknown MoE option(s): {', '.join(sorted(unknown))}")
         return cls(**d)
+
+
+def parse_gate_sync(text: str):
+    """--moe-gate-sync: 'all' -> ('all', 0), 'local' -> ('local', 0), 'average:K' -> ('average', K)."""
+    t = str(text).strip().lower()
+    if t in ("all", "local"):
+        return t, 0
+    if t.startswith("average:"):
+        k = t.split(":", 1)[1]
+        if k.isdigit() and int(k) >= 1:
+            return "average", int(k)
+    raise ValueError("must be all, local or average:K with K >= 1 (e.g. average:100)")
+
+
+def is_local_gate_sync(text: str) -> bool:
+    """Whether gate gradients stay on their rank (``local`` and ``average:K``)."""
+    return parse_gate_sync(text)[0] != "all"
 
 
 def flag(name: str) -> str:

@@ -48,12 +48,13 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from .cpu_alloc import retain_freed_memory
-from .config import ConfigError, MoEConfig, iter_options
+from .config import ConfigError, MoEConfig, is_local_gate_sync as is_local, iter_options
 from .data import build_corpus
 from .dynamic import DynamicRuntime, dynamic_enabled
 from .dynamic.assignment_cache import AssignmentCache
 from .dynamic.runtime import format_metrics as format_dynamic_metrics
 from .gates import gate_warnings
+from .gates.sync import GateSync, gather_rank_states, load_rank_state, local_grad_sq_norm, rank_state_for
 from .inference.deploy import refuse_in_training
 from .notices import warn_once
 from .layer import collect_aux_loss, moe_layers
@@ -250,10 +251,11 @@ def _flat_allreduce(tensors: List[torch.Tensor], group, scale: float) -> None:
         offset += n
 
 
-def sync_gradients(model: torch.nn.Module, ps: ParallelState) -> None:
+def sync_gradients(model: torch.nn.Module, ps: ParallelState, local_gates: bool = False) -> None:
     """Make the gradients those of the mean loss over all ranks: replicated parameters are averaged over the
     world; expert parameters are summed over the ranks holding the same experts and divided by the world size
-    (the all-to-all backward already summed the gradients of the EP group's tokens into them)."""
+    (the all-to-all backward already summed the gradients of the EP group's tokens into them). With
+    ``local_gates`` (``--moe-gate-sync local`` / ``average:K``) gate gradients stay those of this rank's loss."""
     if not ps.distributed:
         return
     dense, expert = [], []
@@ -262,21 +264,30 @@ def sync_gradients(model: torch.nn.Module, ps: ParallelState) -> None:
             continue
         if p.grad is None:
             p.grad = torch.zeros_like(p)
+        if local_gates and getattr(p, "megamoe_gate", False):
+            continue
         (expert if getattr(p, "expert", False) else dense).append(p.grad)
     _flat_allreduce(dense, dist.group.WORLD, 1.0 / ps.world_size)
     _flat_allreduce(expert, ps.expert_dp_group, 1.0 / ps.world_size)
 
 
-def clip_grad_norm(model: torch.nn.Module, max_norm: float, ps: Optional[ParallelState] = None) -> float:
+def clip_grad_norm(model: torch.nn.Module, max_norm: float, ps: Optional[ParallelState] = None,
+                   local_gates: bool = False) -> float:
     """Global L2 norm of all gradients (expert shards of the EP group included); scales them to ``max_norm``
-    when larger (``max_norm`` 0: only measure). Equals ``torch.nn.utils.clip_grad_norm_`` in one process."""
-    dense, expert = [], []
+    when larger (``max_norm`` 0: only measure). Equals ``torch.nn.utils.clip_grad_norm_`` in one process. With
+    ``local_gates`` the gates' share is the mean over ranks of each rank's own (identical on every rank)."""
+    dense, expert, gates = [], [], []
     for p in model.parameters():
         if p.grad is not None:
-            (expert if getattr(p, "expert", False) else dense).append(p.grad)
+            if local_gates and getattr(p, "megamoe_gate", False):
+                gates.append(p.grad)
+            else:
+                (expert if getattr(p, "expert", False) else dense).append(p.grad)
     sq = torch.zeros((), dtype=torch.float64)
     if dense:
         sq = sq + torch.stack([torch.linalg.vector_norm(g, dtype=torch.float64) for g in dense]).pow(2).sum()
+    if local_gates:
+        sq = sq + local_grad_sq_norm(gates, dist.group.WORLD if ps is not None and ps.distributed else None)
     esq = torch.zeros((), dtype=torch.float64)
     for layer in moe_layers(model):       # each logical expert once, however many replicas it has (placement)
         esq = esq + layer.plan.placement.expert_grad_sq_norm(layer.experts)
@@ -286,7 +297,7 @@ def clip_grad_norm(model: torch.nn.Module, max_norm: float, ps: Optional[Paralle
     if max_norm > 0:
         coef = max_norm / (total + 1e-6)
         if coef < 1.0:
-            for g in dense + expert:
+            for g in dense + expert + gates:
                 g.mul_(coef)
     return total
 
@@ -461,6 +472,8 @@ def save_checkpoint(path: str, model, optimizer, cfg: MoEConfig, step: int, args
              "ep_rank": ps.ep_rank}
     if dyn_states is not None:
         state["dynamic"] = dyn_states
+    if is_local(cfg.gate_sync):             # every rank's own gate (and its Adam state), in every file
+        state["gates"] = gather_rank_states(model, optimizer, dist.group.WORLD if ps.distributed else None)
     return checkpoints.save(path, state, ps.rank, ps.world_size, ps.ep_size)
 
 
@@ -562,6 +575,8 @@ def _resume(ckpt, model, optimizer, cfg: MoEConfig, ps: ParallelState, log) -> d
     rngs = state.get("rng_states") or []
     if len(rngs) == ps.world_size:
         torch.set_rng_state(rngs[ps.rank])
+    if state.get("gates") and is_local(cfg.gate_sync):   # this rank's gate, or the saved gates' mean
+        load_rank_state(model, rank_state_for(state["gates"], ps.rank, ps.world_size), optimizer)
     return state
 
 
@@ -624,6 +639,7 @@ def _train(parser, args, cfg: MoEConfig, ps: ParallelState, hook: AfterStepHook,
                 mine["cache"] = AssignmentCache.merge_states([d["cache"] for d in saved if "cache" in d])
             dynamic.load_state_dict(mine)
     result = TrainResult(step=start, model=model, optimizer=optimizer, moe_config=cfg, start_step=start)
+    gate_sync = GateSync(cfg.gate_sync, dist.group.WORLD if ps.distributed else None)
     world_group = dist.group.WORLD if ps.distributed else None
     tokens_per_step = args.batch_size * args.seq_len * ps.world_size
     acc = torch.zeros(3, dtype=torch.float64)                  # loss, lm, aux sums over the interval
@@ -649,7 +665,7 @@ def _train(parser, args, cfg: MoEConfig, ps: ParallelState, hook: AfterStepHook,
         loss = lm_loss + aux_loss
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
-        sync_gradients(model, ps)
+        sync_gradients(model, ps, gate_sync.local)
         done = step + 1
         problem = check_nonfinite([stats], done, world_group) if cfg.nonfinite != "off" else None
         if problem and cfg.nonfinite == "raise":
@@ -659,8 +675,9 @@ def _train(parser, args, cfg: MoEConfig, ps: ParallelState, hook: AfterStepHook,
             result.skipped_steps += 1
             log(f"step {done:5d}: update skipped (--moe-nonfinite skip): {problem}")
         else:
-            gnorm = clip_grad_norm(model, args.clip_grad, ps)
+            gnorm = clip_grad_norm(model, args.clip_grad, ps, gate_sync.local)
             optimizer.step()
+            gate_sync.after_step(model, done)
             hook.run(model, optimizer, done)
         if dynamic is not None:
             if dynamic.cache is not None:

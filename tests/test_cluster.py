@@ -54,7 +54,7 @@ def test_two_nodes_bandwidth_follows_the_shaping(tmp_path):
         assert abs(inter - mbs) <= 0.2 * mbs, (mbs, inter)
         assert intra > 3 * inter                                   # within a node: loopback, unshaped
         seconds[mbs] = json.loads(out.read_text())["seconds"]
-    # 12 MiB each way over one shaped link: time ~ bytes / bandwidth, so 3x the bandwidth ~ a third of the time
+    # 12 MiB over one shaped link per direction: time ~ bytes / bandwidth, so 3x the bandwidth ~ a third of the time
     ratio = seconds[30] / seconds[90]
     assert 2.3 < ratio < 3.6, seconds
 

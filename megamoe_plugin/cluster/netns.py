@@ -32,6 +32,7 @@ from typing import List, Optional
 PREFIX = "mmoe"
 SUBNET = "10.213.77"            # one private /24, configured only inside the node namespaces
 STATE_DIR = "/run/megamoe-cluster"
+QUEUE_BYTES = 4 << 20           # tbf queue per link direction
 _UNITS = {"b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "kib": 1024, "mib": 1024 ** 2, "gib": 1024 ** 3}
 
 
@@ -152,10 +153,12 @@ class EmulatedCluster:
 
     @staticmethod
     def _shape(dev: str, rate: float, namespace: Optional[str] = None) -> None:
-        """tbf at ``rate`` bytes/s on dev's egress; the bucket holds 4 ms of traffic (at least 32 KiB)."""
+        """tbf at ``rate`` bytes/s on dev's egress; the bucket holds 4 ms of traffic (at least 32 KiB). The queue
+        holds 4 MiB (a TCP connection's largest send window here), so a burst waits rather than drops: a NIC with
+        flow control does not drop either, and a drop can cost a TCP retransmission timeout of 200 ms or more."""
         burst = max(int(rate * 0.004), 32 * 1024)
         cmd = ["tc", "qdisc", "add", "dev", dev, "root", "tbf", "rate", f"{int(rate * 8)}bit", "burst", str(burst),
-               "latency", "200ms"]
+               "limit", str(QUEUE_BYTES)]
         _run((["ip", "netns", "exec", namespace] if namespace else []) + cmd, "tbf shaping")
 
     def destroy(self) -> None:

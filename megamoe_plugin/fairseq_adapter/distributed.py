@@ -90,7 +90,17 @@ def _expert_sq_norm(param: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
 
 
 def expert_params(module: torch.nn.Module) -> List[torch.nn.Parameter]:
-    return [p for p in module.parameters() if getattr(p, "expert", False) and p.requires_grad]
+    """Expert parameters (``param.expert``); gates that stay on their rank carry ``expert`` too, so fairseq's DDP
+    leaves them alone, but are not experts."""
+    return [p for p in module.parameters() if getattr(p, "expert", False) and p.requires_grad
+            and not getattr(p, "megamoe_gate", False)]
+
+
+def local_gate_params(module: torch.nn.Module) -> List[torch.nn.Parameter]:
+    """Gates left out of every gradient reduction (--moe-gate-sync local / average:K): their gradient stays this
+    rank's, already on the scale fairseq's normalisation by the job's sample size expects (legacy DDP averages the
+    shared gradients over ranks before that normalisation multiplies by the world size)."""
+    return [p for p in module.parameters() if getattr(p, "megamoe_gate", False) and getattr(p, "expert", False)]
 
 
 @torch.no_grad()
@@ -114,7 +124,10 @@ def sync_expert_grads(module: torch.nn.Module) -> None:
 def clip_grad_norm_(params, max_norm, aggregate_norm_fn=None, fallback=None) -> torch.Tensor:
     """fairseq's ``utils.clip_grad_norm_`` with expert gradients in the norm (every expert counted once)."""
     params = [params] if isinstance(params, torch.Tensor) else list(params)
-    expert_params_ = [p for p in params if getattr(p, "grad", None) is not None and hasattr(p, "expert")]
+    gates = [p.grad for p in params if getattr(p, "grad", None) is not None and getattr(p, "megamoe_gate", False)
+             and hasattr(p, "expert")]
+    expert_params_ = [p for p in params if getattr(p, "grad", None) is not None and hasattr(p, "expert")
+                      and not getattr(p, "megamoe_gate", False)]
     experts = [p.grad for p in expert_params_]
     if _ACTIVE is None or not experts:
         return fallback(params, max_norm, aggregate_norm_fn)
@@ -129,8 +142,11 @@ def clip_grad_norm_(params, max_norm, aggregate_norm_fn=None, fallback=None) -> 
     ep_group = _ACTIVE[0]
     if ep_group is not None:
         dist.all_reduce(expert_sq, group=ep_group)
+    if gates:           # local gates: the mean over ranks of each rank's own share, identical everywhere
+        from ..gates.sync import local_grad_sq_norm
+        expert_sq = expert_sq + local_grad_sq_norm(gates, dist.group.WORLD).to(expert_sq)
     total = torch.sqrt(shared_norm.float() ** 2 + expert_sq)
     if max_norm > 0:
         coef = (float(max_norm) / (total + 1e-6)).clamp_(max=1)
-        torch._foreach_mul_(shared + experts, coef.to(experts[0].dtype))
+        torch._foreach_mul_(shared + experts + gates, coef.to(experts[0].dtype))
     return total

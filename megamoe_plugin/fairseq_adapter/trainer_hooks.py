@@ -40,6 +40,7 @@ from ..placement.checkpoint import logical_from_gathered
 from ..stats import TraceRecorder
 from . import distributed as moe_dist
 from .args import check_trainer_settings
+from ..gates.sync import GateSync, gather_rank_states, load_rank_state, rank_state_for
 from .dynamic import STATE_KEY as _DYNAMIC_KEY
 from .dynamic import FairseqDynamic
 from .layers import FairseqMoEFFN, gather_experts, moe_ffns, release_gathered
@@ -205,6 +206,7 @@ def _wrap_trainer(Trainer) -> None:
             check_trainer_settings(cfg, moe)
             self._megamoe_dynamic = FairseqDynamic.create(self, moe)
             self._megamoe_hook = AfterStepHook(moe)
+            self._megamoe_gate_sync = GateSync(moe.gate_sync, dist.group.WORLD if dist.is_initialized() else None)
             self._megamoe_trace = TrainingTrace(_raw_model(self), moe) if moe.trace_path else None
 
     @functools.wraps(begin_epoch)
@@ -239,6 +241,9 @@ def _wrap_trainer(Trainer) -> None:
                 dyn.clear_batch()           # validation forwards must not key into training samples
         if dyn is not None and self.get_num_updates() > before:
             dyn.after_update(self.get_num_updates())       # every rank, every update: two all-reduces
+        sync = getattr(self, "_megamoe_gate_sync", None)
+        if sync is not None and self.get_num_updates() > before:
+            sync.after_step(_raw_model(self), self.get_num_updates())      # --moe-gate-sync average:K
         hook = getattr(self, "_megamoe_hook", None)
         if hook is not None and self.get_num_updates() > before:
             if hook.run(_raw_model(self), self.optimizer, self.get_num_updates(), trainer=self):
@@ -256,6 +261,8 @@ def _wrap_trainer(Trainer) -> None:
         dyn = _dynamic(self)
         if dyn is not None and isinstance(sd.get("extra_state"), dict):
             sd["extra_state"][_DYNAMIC_KEY] = dyn.checkpoint_state(getattr(self, "_megamoe_dynamic_full", None))
+        if getattr(self, "_megamoe_gates", None) and isinstance(sd.get("extra_state"), dict):
+            sd["extra_state"][_GATES_KEY] = self._megamoe_gates
         return sd
 
     @functools.wraps(load_checkpoint)
@@ -273,6 +280,11 @@ def _wrap_trainer(Trainer) -> None:
             # sample indices may mean other samples; the capacities stay
             fresh = bool(ck.reset_dataloader) or (bool(ck.finetune_from_model) and filename == ck.finetune_from_model)
             dyn.load(extra[_DYNAMIC_KEY], reset_cache=fresh)
+        sync = getattr(self, "_megamoe_gate_sync", None)
+        if sync is not None and sync.local and isinstance(extra, dict) and extra.get(_GATES_KEY):
+            rank = dist.get_rank() if dist.is_initialized() else 0
+            world = dist.get_world_size() if dist.is_initialized() else 1
+            load_rank_state(_raw_model(self), rank_state_for(extra[_GATES_KEY], rank, world), self.optimizer)
         return extra
 
     Trainer.__init__ = __init__
@@ -299,6 +311,9 @@ def _wrap_save(checkpoint_utils) -> None:
         dyn = _dynamic(trainer)
         if dyn is not None and not cfg.no_save:
             trainer._megamoe_dynamic_full = dyn.gather_states()     # every rank's capacities and cache, on rank 0
+        if getattr(trainer, "_megamoe_gate_sync", None) is not None and trainer._megamoe_gate_sync.local \
+                and not cfg.no_save:                                # every rank's own gate and its Adam state
+            trainer._megamoe_gates = gather_rank_states(_raw_model(trainer), trainer.optimizer)
         try:
             return save(cfg, trainer, epoch_itr, val_loss)
         finally:
@@ -306,10 +321,12 @@ def _wrap_save(checkpoint_utils) -> None:
                 release_gathered(_raw_model(trainer))
                 trainer._megamoe_optimizer_full = None
             trainer._megamoe_dynamic_full = None
+            trainer._megamoe_gates = None
 
     checkpoint_utils.save_checkpoint = save_checkpoint
 
 
+_GATES_KEY = "megamoe_gates"      # extra_state: every rank's gate (--moe-gate-sync local / average:K)
 _UPDATE = [0]       # the update train_step is computing (for the non-finite check's message)
 
 

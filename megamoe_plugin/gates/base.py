@@ -88,6 +88,7 @@ class Gate(nn.Module):
         self.topology = topology
         self.weight = nn.Parameter(torch.empty(cfg.num_experts, hidden_size))
         nn.init.normal_(self.weight, std=cfg.init_std)
+        self.weight.megamoe_gate = True          # found by gates.sync (--moe-gate-sync local / average:K)
 
     # --- to implement --------------------------------------------------------------------------------------------
     @classmethod

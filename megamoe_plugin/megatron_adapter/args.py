@@ -19,7 +19,7 @@ import argparse
 import re
 from typing import Any, Callable, Dict, Optional
 
-from ..config import ConfigError, MoEConfig, flag, iter_options
+from ..config import ConfigError, MoEConfig, flag, is_local_gate_sync, iter_options
 
 PLUGIN_PREFIX = "--moe-plugin-"
 
@@ -210,6 +210,14 @@ def validate_moe_plugin_args(args) -> Optional[MoEConfig]:
     if cfg.assignment_cache and _get(args, "moe_layer_recompute", default=False):
         raise ConfigError("megamoe-plugin: --moe-plugin-assignment-cache with --moe-layer-recompute: the recomputed "
                           "forward would refresh the cache twice; drop one of the two")
+    if is_local_gate_sync(cfg.gate_sync):
+        if tp > 1:
+            raise ConfigError(f"megamoe-plugin: --moe-plugin-gate-sync={cfg.gate_sync} with --tensor-model-parallel-size="
+                              f"{tp}: tensor-parallel ranks all-reduce the router's gradients; use TP=1 or all")
+        if _get(args, "use_distributed_optimizer", default=False):
+            raise ConfigError(f"megamoe-plugin: --moe-plugin-gate-sync={cfg.gate_sync} with --use-distributed-optimizer: "
+                              "its parameter shards are all-gathered after every step, which would give every rank "
+                              "one owner's gate; drop one of the two")
     if _get(args, "use_distributed_optimizer", default=False):
         # the placement runtime moves an expert's rows of the Adam moments and fp32 master weights (placement/
         # runtime.py); the distributed optimizer keeps them flattened and sharded over data-parallel ranks

@@ -85,7 +85,7 @@ def set_rng_state(state: dict, set_tracker: Callable[[dict], None]) -> None:
 
 # --- save ---------------------------------------------------------------------------------------------------------
 def save(root: str, iteration: int, model, optimizer, scheduler, tracker_states: dict, dynamic=None,
-         world_size: Optional[int] = None) -> str:
+         world_size: Optional[int] = None, local_gates: bool = False) -> str:
     """Collective: every rank calls it. Writes the model/optimizer shards, ``run_state.pt`` (rank 0) and this rank's
     ``extra_rank<r>.pt``; the tracker file last, so an interrupted save leaves the previous checkpoint current."""
     from megatron.core import dist_checkpointing
@@ -98,6 +98,9 @@ def save(root: str, iteration: int, model, optimizer, scheduler, tracker_states:
     extra = {"format": FORMAT, "rng": rng_state(tracker_states)}      # before anything could draw from the RNG
     if dynamic is not None:
         extra["dynamic"] = dynamic.state_dict()
+    if local_gates:                     # --moe-plugin-gate-sync local / average:K: this rank's gate is its own
+        from ..gates.sync import rank_state
+        extra["gates"] = rank_state([model.module], optimizer)
     model_sd = model.module.sharded_state_dict()
     dist_checkpointing.save({"model": model_sd, "optimizer": optimizer.sharded_state_dict(model_sd)}, path)
     _atomic_save(extra, os.path.join(path, f"extra_rank{rank}.pt"))
@@ -122,7 +125,7 @@ def _atomic_save(obj, path: str) -> None:
 
 # --- load ---------------------------------------------------------------------------------------------------------
 def load(root: str, model, optimizer, scheduler, set_tracker: Callable[[dict], None], dynamic=None,
-         log: Callable[[str], None] = print) -> int:
+         log: Callable[[str], None] = print, local_gates: bool = False) -> int:
     """Collective. Restore the newest complete checkpoint under ``root``; returns its iteration. Raises
     ``CheckpointError`` when there is none (the caller decides whether that is fatal)."""
     from megatron.core import dist_checkpointing
@@ -159,6 +162,11 @@ def load(root: str, model, optimizer, scheduler, set_tracker: Callable[[dict], N
         merged = _merged_dynamic_state(path)
         if merged is not None:
             dynamic.load_state_dict(merged)
+    if local_gates:                     # this rank's own gate, or (a new rank) the mean of the saved ones
+        from ..gates.sync import load_rank_state, rank_state_for
+        gates = [s.get("gates") for s in _extra_states(path)]
+        if gates and all(g for g in gates):
+            load_rank_state([model.module], rank_state_for(gates, rank, dist.get_world_size()), optimizer)
     return iteration
 
 
@@ -176,13 +184,18 @@ def _load_run_state(path: str, iteration: int) -> dict:
                           "learning-rate schedule per rank; re-save it with this version or start afresh")
 
 
+def _extra_states(path: str) -> list:
+    """Every saved rank's extra_rank<r>.pt, in rank order."""
+    files = sorted(glob.glob(os.path.join(path, "extra_rank*.pt")),
+                   key=lambda p: int(os.path.basename(p)[len("extra_rank"):-len(".pt")]))
+    return [safe_load(f, "per-rank checkpoint state") for f in files]
+
+
 def _merged_dynamic_state(path: str) -> Optional[dict]:
     """The DynaMoE state of the saved ranks for a rank that has none: rank 0's policies, every rank's cache."""
     from ..dynamic.assignment_cache import AssignmentCache
 
-    files = sorted(glob.glob(os.path.join(path, "extra_rank*.pt")),
-                   key=lambda p: int(os.path.basename(p)[len("extra_rank"):-len(".pt")]))
-    states = [safe_load(f, "per-rank checkpoint state").get("dynamic") for f in files]
+    states = [s.get("dynamic") for s in _extra_states(path)]
     states = [s for s in states if s is not None]
     if not states:
         return None

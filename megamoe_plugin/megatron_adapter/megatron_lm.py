@@ -41,7 +41,7 @@ from typing import Callable, List, Optional
 
 import torch
 
-from ..config import ConfigError
+from ..config import ConfigError, is_local_gate_sync
 from .args import moe_plugin_extra_args
 
 __all__ = ["install_megatron_lm_hooks", "moe_plugin_extra_args", "moe_plugin_gpt_builder", "wrap_gpt_builders",
@@ -109,6 +109,10 @@ def _wrap_validate_args(validate_args: Callable) -> Callable:
                 raise ConfigError("megamoe-plugin: --moe-plugin-nonfinite skip in pretrain_gpt.py: its train_step "
                                   "updates before the plugin can look; use raise (the default: stop naming the "
                                   "layer), or the megatron-core example trainer, which skips such iterations")
+            if cfg is not None and is_local_gate_sync(cfg.gate_sync) and int(os.environ.get("RANK", "0")) == 0:
+                print(f"megamoe-plugin: warning: --moe-plugin-gate-sync={cfg.gate_sync} in pretrain_gpt.py: Megatron-LM's "
+                      "checkpoint keeps one replica of each gate (rank 0's); a resumed run starts every rank from it "
+                      "(the megatron-core trainer saves every rank's)", file=sys.stderr, flush=True)
             if cfg is not None and cfg.assignment_cache:
                 raise ConfigError("megamoe-plugin: --moe-plugin-assignment-cache in pretrain_gpt.py: Megatron-LM's "
                                   "GPT batches carry no sample index to key the cache by (its multi-epoch "
@@ -180,6 +184,50 @@ def _wrap_train_step(train_step: Callable) -> Callable:
         if step0 is None:
             step0 = getattr(args, "curr_iteration", 0)
         after_train_step(args, bound["model"], bound["optimizer"], int(step0) + 1)
+        return out
+
+    wrapped._megamoe_wrapped = True
+    return wrapped
+
+
+def _plugin_cfg():
+    from megatron.training.global_vars import get_args
+    args = get_args()
+    return getattr(args, "moe_plugin_config", None) if getattr(args, "moe_plugin", False) else None
+
+
+def _wrap_finalize(finalize: Callable) -> Callable:
+    """``finalize_model_grads`` keeping each rank's own gate gradients with --moe-plugin-gate-sync local /
+    average:K (gate_sync.keep_local_gate_grads), decided when it runs (the args exist by then)."""
+    if getattr(finalize, "_megamoe_wrapped", False):
+        return finalize
+    from ..config import is_local_gate_sync
+    from .gate_sync import keep_local_gate_grads
+    local = keep_local_gate_grads(finalize)
+
+    @functools.wraps(finalize)
+    def wrapped(*a, **kw):
+        cfg = _plugin_cfg()
+        return (local if cfg is not None and is_local_gate_sync(cfg.gate_sync) else finalize)(*a, **kw)
+
+    wrapped._megamoe_wrapped = True
+    return wrapped
+
+
+def _wrap_setup(setup: Callable) -> Callable:
+    """``setup_model_and_optimizer``, then (with local gates) the optimizer's clipping norm made identical on every
+    rank before the first step (gate_sync.identical_clip_norm)."""
+    if getattr(setup, "_megamoe_wrapped", False):
+        return setup
+
+    @functools.wraps(setup)
+    def wrapped(*a, **kw):
+        out = setup(*a, **kw)
+        cfg = _plugin_cfg()
+        if cfg is not None:
+            from .hooks import get_step_hooks
+            from megatron.training.global_vars import get_args
+            get_step_hooks(cfg, get_args().num_layers).attach_gate_sync(out[0], out[1])
         return out
 
     wrapped._megamoe_wrapped = True
@@ -382,6 +430,9 @@ def install_megatron_lm_hooks() -> List[str]:
     _APPLIED.append("parse_args + validate_args")
     training.train_step = _wrap_train_step(training.train_step)
     _APPLIED.append("train_step")
+    training.finalize_model_grads = _wrap_finalize(training.finalize_model_grads)
+    training.setup_model_and_optimizer = _wrap_setup(training.setup_model_and_optimizer)
+    _APPLIED.append("finalize_model_grads + setup_model_and_optimizer (--moe-plugin-gate-sync)")
     _INSTALLED = True
     return list(_APPLIED)
 

@@ -210,7 +210,7 @@ def save_checkpoint(args, iteration, model, optimizer, scheduler):
     from . import checkpointing
 
     path = checkpointing.save(args.save, iteration, model, optimizer, scheduler, get_cuda_rng_tracker().get_states(),
-                              DYNAMIC)
+                              DYNAMIC, local_gates=_local_gates(args))
     print0(f" saved checkpoint at iteration {iteration} to {path}")
 
 
@@ -229,9 +229,15 @@ def load_checkpoint(args, model, optimizer, scheduler) -> int:
                "starts from a freshly initialised model (--exit-on-missing-checkpoint makes this an error)")
         return 0
     iteration = checkpointing.load(args.load, model, optimizer, scheduler, get_cuda_rng_tracker().set_states,
-                                   DYNAMIC, log=print0)
+                                   DYNAMIC, log=print0, local_gates=_local_gates(args))
     print0(f" loaded checkpoint from {checkpointing.iteration_dir(args.load, iteration)} at iteration {iteration}")
     return iteration
+
+
+def _local_gates(args) -> bool:
+    from ..config import is_local_gate_sync
+    cfg = getattr(args, "moe_plugin_config", None)
+    return cfg is not None and is_local_gate_sync(cfg.gate_sync)
 
 
 def checkpoint_required(args) -> Optional[str]:
@@ -268,10 +274,15 @@ class Run:
         config.grad_scale_func = self.optimizer.scale_loss
         self.hooks = None
         if args.moe_plugin:
+            from ..config import is_local_gate_sync
+            from .gate_sync import keep_local_gate_grads
             from .hooks import get_step_hooks
             global DYNAMIC
             self.hooks = get_step_hooks(args.moe_plugin_config, args.num_layers)
             DYNAMIC = self.hooks.setup(self.model, positions=args.seq_length)   # before the first forward
+            if is_local_gate_sync(args.moe_plugin_config.gate_sync):            # each rank's gate its own gradient
+                config.finalize_model_grads_func = keep_local_gate_grads(finalize_model_grads)
+                self.hooks.attach_gate_sync([self.model], self.optimizer)
         self.dp_rank, self.dp = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
         self.n_micro = args.global_batch_size // (args.micro_batch_size * self.dp)
 
