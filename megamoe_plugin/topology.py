@@ -159,12 +159,10 @@ class Topology:
                 continue
             if me in (0, peer):
                 other = peer if me == 0 else 0
-                t_small = _pingpong(me == 0, gl(other), small_bytes, iters, device)
-                t_large = _pingpong(me == 0, gl(other), large_bytes, iters, device)
+                alpha, bandwidth = _link(me == 0, gl(other), small_bytes, large_bytes, iters, device)
                 if me == 0:
-                    alpha = t_small
                     result[2 * (lvl - 1)] = alpha * 1e6
-                    result[2 * (lvl - 1) + 1] = large_bytes / max(t_large - alpha, 1e-9) / 1e9
+                    result[2 * (lvl - 1) + 1] = bandwidth / 1e9
             dist.barrier(group)
         dist.broadcast(result, gl(0), group=group)
         for lvl in range(1, self.depth + 1):
@@ -175,12 +173,12 @@ class Topology:
 
 
     @classmethod
-    def discover(cls, group=None, small_bytes: int = 8, large_bytes: int = 1 << 20, iters: int = 3,
+    def discover(cls, group=None, small_bytes: int = 8, large_bytes: int = 4 << 20, iters: int = 3,
                  fast_ratio: float = 2.0) -> "Topology":
         """Collective: measure every rank pair's point-to-point bandwidth and infer the nodes: pairs at least
         ``fast_ratio`` times faster than the slowest pairs share a node (connected components). Returns the
-        two-level tree ``[[...], [...]]`` with the median measured bandwidth and latency of each level, or one flat
-        node when no pair stands out. Every rank gets the same answer."""
+        two-level tree ``[[...], [...]]`` (nodes may differ in size) with the median measured bandwidth and latency
+        of each level, or one flat node when no pair stands out. Every rank gets the same answer."""
         import torch.distributed as dist
 
         world, me = dist.get_world_size(group), dist.get_rank(group)
@@ -192,11 +190,9 @@ class Topology:
             for j in range(i + 1, world):
                 if me in (i, j):
                     other = j if me == i else i
-                    t_small = _pingpong(me == i, gl(other), small_bytes, iters, device)
-                    t_large = _pingpong(me == i, gl(other), large_bytes, iters, device)
+                    alpha, bandwidth = _link(me == i, gl(other), small_bytes, large_bytes, iters, device)
                     if me == i:
-                        lat[i, j] = t_small
-                        bw[i, j] = large_bytes / max(t_large - t_small, 1e-9)
+                        lat[i, j], bw[i, j] = alpha, bandwidth
                 dist.barrier(group)
         dist.all_reduce(bw, group=group)
         dist.all_reduce(lat, group=group)
@@ -235,8 +231,8 @@ class Topology:
             return sorted(vals)[len(vals) // 2] / 1e9, sorted(lats)[len(lats) // 2] * 1e6
         node_of = torch.tensor([next(k for k, g in enumerate(groups) if r in g) for r in range(P)])
         same = (node_of[:, None] == node_of[None, :]) & off
-        if len(groups) == 1 or len(groups) == P or len({len(g) for g in groups}) != 1:
-            b, a = median(off)           # no pair stands out (or nodes of unequal size): one flat level
+        if len(groups) == 1 or len(groups) == P:
+            b, a = median(off)           # no pair stands out: one flat level
             return cls(list(range(P)), bandwidth_gbps=[b], latency_us=[a])
         b_in, a_in = median(same)
         b_out, a_out = median(off & ~same)
@@ -250,6 +246,20 @@ def _comm_device(group) -> torch.device:
     if "nccl" in str(dist.get_backend(group)).lower():
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
+
+
+def _link(initiator: bool, peer: int, small_bytes: int, large_bytes: int, iters: int, device):
+    """(alpha in seconds, bandwidth in bytes/s) of the link to ``peer``: alpha = the one-way time of a small
+    message; bandwidth = the slope between messages of large_bytes / 4 and large_bytes (a shaped link's token
+    bucket lets the first burst through at line rate: the slope cancels it, where bytes / time would not)."""
+    t_small = _pingpong(initiator, peer, small_bytes, iters, device)
+    t_quarter = _pingpong(initiator, peer, large_bytes // 4, iters, device)
+    t_large = _pingpong(initiator, peer, large_bytes, iters, device)
+    direct = large_bytes / max(t_large - t_small, 1e-9)
+    slope = (t_large - t_quarter) / (large_bytes - large_bytes // 4)
+    # on a fast unshaped link the slope is within timing noise: then bytes / time (no bucket to cancel)
+    bandwidth = 1.0 / slope if slope > 0 and 0.4 * direct <= 1.0 / slope <= 1.05 * direct else direct
+    return t_small, bandwidth
 
 
 def _pingpong(initiator: bool, peer: int, nbytes: int, iters: int, device) -> float:

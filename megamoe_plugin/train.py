@@ -143,6 +143,8 @@ def build_parser(prog: Optional[str] = None) -> argparse.ArgumentParser:
     o.add_argument("--save", default=None, metavar="PATH", help="Write a checkpoint here at the end.")
     o.add_argument("--save-interval", type=int, default=0, help="Also checkpoint every N steps (needs --save).")
     o.add_argument("--resume", default=None, metavar="PATH", help="Restore a --save checkpoint and continue.")
+    o.add_argument("--metrics-json", default=None, metavar="PATH", help="Write the run's log lines and evaluations "
+                   "(with the training time to each) here as JSON at the end (rank 0).")
     o.add_argument("--trace", default=None, metavar="PATH", help="Record routing traces here (overrides "
                                                                  "--moe-trace-path); one shard per rank.")
     add_moe_arguments(p.add_argument_group("MoE options (MoEConfig)"), MAIN_JOB_MOE_DEFAULTS)
@@ -508,6 +510,21 @@ def _check_resumable(parser, ckpt: "checkpoints.CheckpointSet", args, cfg: MoECo
         parser.error(f"--resume {args.resume}: the checkpoint does not match this model: " + "; ".join(diffs))
 
 
+def _write_metrics(path: str, result: "TrainResult") -> None:
+    import json
+
+    def plain(v):
+        if isinstance(v, dict):
+            return {str(k): plain(x) for k, x in v.items()}
+        if isinstance(v, (list, tuple)):
+            return [plain(x) for x in v]
+        return v if isinstance(v, (int, float, str, bool)) or v is None else str(v)
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump({"step": result.step, "train_seconds": result.train_seconds, "history": plain(result.history),
+                   "evals": plain(result.evals), "skipped_steps": result.skipped_steps}, f)
+
+
 # -------------------------------------------------------------------------------------------------------- main
 @dataclass
 class TrainResult:
@@ -523,6 +540,7 @@ class TrainResult:
     dynamic: Dict[str, float] = field(default_factory=dict)   # DynaMoE runtime metrics at the end
     cache_history: List[tuple] = field(default_factory=list)  # (epoch, kept fraction, caching on) per epoch
     skipped_steps: int = 0                      # updates dropped for non-finite router outputs (--moe-nonfinite skip)
+    train_seconds: float = 0.0                  # wall time in training steps (evaluations and checkpoints excluded)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> TrainResult:
@@ -651,6 +669,7 @@ def _train(parser, args, cfg: MoEConfig, ps: ParallelState, hook: AfterStepHook,
     if args.exit_interval:
         end = min(end, (start // args.exit_interval + 1) * args.exit_interval)
     for step in range(start, end):
+        t_step = time.perf_counter()
         lr = lr_at(step, args.steps, args.lr, warmup, args.min_lr_ratio)
         for group in optimizer.param_groups:
             group["lr"] = lr
@@ -684,6 +703,7 @@ def _train(parser, args, cfg: MoEConfig, ps: ParallelState, hook: AfterStepHook,
                 dynamic.cache.clear_batch()          # evaluation forwards never key into training samples
             dynamic.after_step(done)
         result.step = done
+        result.train_seconds += time.perf_counter() - t_step
         if not problem:
             acc += torch.stack([loss.detach(), lm_loss.detach(), aux_loss.detach()]).double()
             acc_steps += 1
@@ -718,7 +738,7 @@ def _train(parser, args, cfg: MoEConfig, ps: ParallelState, hook: AfterStepHook,
         if args.eval_interval and done % args.eval_interval == 0 and done != end:
             ev = evaluate(model, corpus, "valid", args.batch_size, args.seq_len, ps, args.eval_batches)
             log(_format_eval(done, ev))
-            result.evals.append({"step": done, **ev})
+            result.evals.append({"step": done, "train_seconds": result.train_seconds, **ev})
             t_last = time.perf_counter()
         if args.save_interval and done % args.save_interval == 0 and done != end:
             save_checkpoint(args.save, model, optimizer, cfg, done, args, ps, dynamic)
@@ -726,7 +746,9 @@ def _train(parser, args, cfg: MoEConfig, ps: ParallelState, hook: AfterStepHook,
 
     ev = evaluate(model, corpus, "valid", args.batch_size, args.seq_len, ps, args.eval_batches)
     log(_format_eval(result.step, ev))
-    result.evals.append({"step": result.step, **ev})
+    result.evals.append({"step": result.step, "train_seconds": result.train_seconds, **ev})
+    if args.metrics_json and ps.is_main:
+        _write_metrics(args.metrics_json, result)
     if args.save:
         result.checkpoint = save_checkpoint(args.save, model, optimizer, cfg, result.step, args, ps, dynamic)
         log(f"saved checkpoint {checkpoint_path(args.save, ps)} (step {result.step})")

@@ -22,7 +22,8 @@ def build_parser() -> argparse.ArgumentParser:
                                    "processes with torchrun's environment, GLOO_SOCKET_IFNAME and the cluster's "
                                    "topology (MEGAMOE_TOPOLOGY*). Needs root.")
     r.add_argument("--nodes", type=int, default=2, help="emulated nodes (network namespaces)")
-    r.add_argument("--procs-per-node", type=int, default=2, help="processes (ranks) per node")
+    r.add_argument("--procs-per-node", default="2", help="processes (ranks) per node: one count, or one per node "
+                   "for an asymmetric cluster (e.g. 2,1,1 with --nodes 3)")
     r.add_argument("--inter-node-bandwidth", default=DEFAULT_INTER_BANDWIDTH,
                    help="each node's link, per direction (e.g. 25MB/s, 200Mbit)")
     r.add_argument("--intra-node-bandwidth", default=None,
@@ -59,8 +60,13 @@ def main(argv: List[str]) -> int:
     cmd = args.command[1:] if args.command[:1] == ["--"] else args.command
     if not cmd:
         p.error("run: give the program after --, e.g. megamoe cluster run -- megamoe train")
-    if args.nodes < 1 or args.procs_per_node < 1:
-        p.error("run: --nodes and --procs-per-node must be >= 1")
+    from .launcher import layout
+    try:
+        counts = [int(v) for v in str(args.procs_per_node).split(",")]
+        procs = counts[0] if len(counts) == 1 else counts
+        layout(args.nodes, procs)
+    except ValueError:
+        p.error(f"run: --procs-per-node {args.procs_per_node!r}: one count >= 1, or --nodes counts separated by commas")
     try:
         inter = netns.parse_bandwidth(args.inter_node_bandwidth)
         intra = netns.parse_bandwidth(args.intra_node_bandwidth) if args.intra_node_bandwidth else None
@@ -70,5 +76,5 @@ def main(argv: List[str]) -> int:
     if why:
         print(f"megamoe cluster: {why}", file=sys.stderr)
         return 2
-    return run_job(cmd, args.nodes, args.procs_per_node, inter, intra, args.master_port, args.log_dir,
+    return run_job(cmd, args.nodes, procs, inter, intra, args.master_port, args.log_dir,
                    args.timeout, not args.no_probe, split=not (args.no_probe or args.no_split))

@@ -79,19 +79,32 @@ def probe(cluster: EmulatedCluster, port: int) -> ProbeResult:
     return ProbeResult(inter, intra)
 
 
-def rank_env(cluster: EmulatedCluster, rank: int, procs_per_node: int, master_port: int,
+def layout(nodes: int, procs_per_node) -> List[List[int]]:
+    """The ranks of every node: ``procs_per_node`` is one count for every node or one count per node (an
+    asymmetric cluster, e.g. [2, 1, 1]); ranks are numbered node by node."""
+    counts = [int(procs_per_node)] * nodes if isinstance(procs_per_node, int) else [int(c) for c in procs_per_node]
+    if len(counts) != nodes or min(counts) < 1:
+        raise ValueError(f"procs per node {procs_per_node!r} does not describe {nodes} node(s)")
+    out, start = [], 0
+    for c in counts:
+        out.append(list(range(start, start + c)))
+        start += c
+    return out
+
+
+def rank_env(cluster: EmulatedCluster, rank: int, procs_per_node, master_port: int,
              probe_result: Optional[ProbeResult], base: Optional[Dict[str, str]] = None) -> Dict[str, str]:
     """torchrun's variables for ``rank`` plus GLOO_SOCKET_IFNAME and the topology the job runs on."""
-    nodes = len(cluster.nodes)
-    world = nodes * procs_per_node
-    node = cluster.nodes[rank // procs_per_node]
+    groups = layout(len(cluster.nodes), procs_per_node)
+    world = sum(len(g) for g in groups)
+    k = next(i for i, g in enumerate(groups) if rank in g)
+    node = cluster.nodes[k]
     env = dict(os.environ if base is None else base)
-    env.update(RANK=str(rank), LOCAL_RANK=str(rank % procs_per_node), WORLD_SIZE=str(world),
-               LOCAL_WORLD_SIZE=str(procs_per_node), GROUP_RANK=str(node.index), NODE_RANK=str(node.index),
+    env.update(RANK=str(rank), LOCAL_RANK=str(groups[k].index(rank)), WORLD_SIZE=str(world),
+               LOCAL_WORLD_SIZE=str(len(groups[k])), GROUP_RANK=str(node.index), NODE_RANK=str(node.index),
                MASTER_ADDR=cluster.master_addr, MASTER_PORT=str(master_port), GLOO_SOCKET_IFNAME=node.ifname,
                TORCHELASTIC_RUN_ID=f"megamoe-cluster-{cluster.run_id}", MEGAMOE_CLUSTER=cluster.run_id,
-               MEGAMOE_TOPOLOGY=str([list(range(n * procs_per_node, (n + 1) * procs_per_node))
-                                     for n in range(nodes)]).replace(" ", ""))
+               MEGAMOE_TOPOLOGY=str(groups).replace(" ", ""))
     if probe_result is not None:
         intra = probe_result.intra_bytes_per_s
         inter = probe_result.inter_bytes_per_s or cluster.inter_bandwidth
@@ -116,21 +129,23 @@ def _start(cluster: EmulatedCluster, cmd: Sequence[str], procs_per_node: int, ma
            result: Optional[ProbeResult], log_dir: str, echo=None):
     """Start ``cmd`` on every rank; rank 0's output streamed to ``echo`` (when given) and its log."""
     procs, threads = [], []
-    for rank in range(len(cluster.nodes) * procs_per_node):
-        env = rank_env(cluster, rank, procs_per_node, master_port, result)
-        full = cluster.exec_prefix(rank // procs_per_node) + list(cmd)
-        log_path = os.path.join(log_dir, f"rank{rank}.log")
-        if rank == 0 and echo is not None:
-            p = subprocess.Popen(full, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                 bufsize=1, start_new_session=True, preexec_fn=_die_with_parent)
-            t = threading.Thread(target=_stream, args=(p.stdout, log_path, echo), daemon=True)
-            t.start()
-            threads.append(t)
-        else:
-            with open(log_path, "w") as log:
-                p = subprocess.Popen(full, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                                     preexec_fn=_die_with_parent)
-        procs.append(p)
+    groups = layout(len(cluster.nodes), procs_per_node)
+    for k, ranks in enumerate(groups):
+        for rank in ranks:
+            env = rank_env(cluster, rank, procs_per_node, master_port, result)
+            full = cluster.exec_prefix(k) + list(cmd)
+            log_path = os.path.join(log_dir, f"rank{rank}.log")
+            if rank == 0 and echo is not None:
+                p = subprocess.Popen(full, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                     bufsize=1, start_new_session=True, preexec_fn=_die_with_parent)
+                t = threading.Thread(target=_stream, args=(p.stdout, log_path, echo), daemon=True)
+                t.start()
+                threads.append(t)
+            else:
+                with open(log_path, "w") as log:
+                    p = subprocess.Popen(full, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                         preexec_fn=_die_with_parent)
+            procs.append(p)
     return procs, threads
 
 
@@ -156,10 +171,11 @@ def _measure_split(cluster, procs_per_node, master_port, result, log_dir, say) -
         say(f"the reference layer step did not run (status {code}; log: {split_dir})")
 
 
-def run_job(cmd: Sequence[str], nodes: int, procs_per_node: int, inter_bandwidth: float,
+def run_job(cmd: Sequence[str], nodes: int, procs_per_node, inter_bandwidth: float,
             intra_bandwidth: Optional[float] = None, master_port: int = 29500, log_dir: Optional[str] = None,
             timeout: float = 3600.0, do_probe: bool = True, echo=None, say=None, split: bool = False) -> int:
     """Create the cluster, run ``cmd`` on every rank, tear everything down; returns the job's exit status.
+    ``procs_per_node``: one count for every node, or one per node (``layout``).
     ``split``: first measure a reference MoE layer step's compute / all-to-all split on the cluster."""
     echo = echo or (lambda line: (sys.stdout.write(line), sys.stdout.flush()))
     say = say or (lambda text: print(f"megamoe cluster: {text}", file=sys.stderr, flush=True))
@@ -176,10 +192,13 @@ def run_job(cmd: Sequence[str], nodes: int, procs_per_node: int, inter_bandwidth
             os.makedirs(log_dir, exist_ok=True)
             result = probe(cluster, master_port + 1) if do_probe else None
             say(_describe(cluster, procs_per_node, result, log_dir))
-            if split and nodes * procs_per_node > 1:
+            if split and sum(len(g) for g in layout(nodes, procs_per_node)) > 1:
                 _measure_split(cluster, procs_per_node, master_port, result, log_dir, say)
+            before = cluster.link_bytes()
             procs, threads = _start(cluster, cmd, procs_per_node, master_port, result, log_dir, echo)
-            return _wait(procs, timeout, log_dir, say)
+            code = _wait(procs, timeout, log_dir, say)
+            _report_traffic(cluster, before, cluster.link_bytes(), log_dir, say)
+            return code
     except KeyboardInterrupt:
         say("interrupted: stopping every rank and removing the emulated cluster")
         return 130
@@ -194,8 +213,21 @@ def run_job(cmd: Sequence[str], nodes: int, procs_per_node: int, inter_bandwidth
             signal.signal(s, handler)
 
 
-def _describe(cluster: EmulatedCluster, g: int, result: Optional[ProbeResult], log_dir: str) -> str:
+def _report_traffic(cluster, before: Dict[int, tuple], after: Dict[int, tuple], log_dir: str, say) -> None:
+    """Bytes each node sent and received over its link during the job (the veth counters), printed and written to
+    ``<log-dir>/network.json``: the measured inter-node traffic of the job, every collective included."""
+    import json
+    nodes = {n: {"sent": after[n][0] - before[n][0], "received": after[n][1] - before[n][1]} for n in after}
+    with open(os.path.join(log_dir, "network.json"), "w") as f:
+        json.dump({"nodes": nodes, "inter_bandwidth": cluster.inter_bandwidth}, f)
+    if len(nodes) > 1:
+        say("inter-node traffic of the job: " + ", ".join(
+            f"node {n} sent {v['sent'] / 1e6:.1f} MB, received {v['received'] / 1e6:.1f} MB" for n, v in nodes.items()))
+
+
+def _describe(cluster: EmulatedCluster, g, result: Optional[ProbeResult], log_dir: str) -> str:
     n = len(cluster.nodes)
+    g = g if isinstance(g, int) else "+".join(map(str, g))
     shaped = f"inter-node {cluster.inter_bandwidth / 1e6:.1f} MB/s per node and direction (tbf)"
     intra = (f"intra-node {cluster.intra_bandwidth / 1e6:.1f} MB/s (tbf on lo)" if cluster.intra_bandwidth
              else "intra-node unshaped (loopback)")

@@ -176,6 +176,15 @@ class EmulatedCluster:
     def exec_prefix(self, node: int) -> List[str]:
         return ["ip", "netns", "exec", self.nodes[node].namespace]
 
+    def link_bytes(self) -> dict:
+        """{node: (bytes the node sent, bytes it received)} over its link so far (the bridge end's counters)."""
+        out = {}
+        for n in self.nodes:
+            base = f"/sys/class/net/{n.host_ifname}/statistics/"
+            with open(base + "rx_bytes") as rx, open(base + "tx_bytes") as tx:
+                out[n.index] = (int(rx.read()), int(tx.read()))       # the bridge end receives what the node sends
+        return out
+
     @property
     def master_addr(self) -> str:
         return self.nodes[0].address
