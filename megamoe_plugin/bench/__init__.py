@@ -34,8 +34,11 @@ def main(argv: Optional[List[str]] = None):
     if what == "inference":
         from .inference import main as inference_main
         return inference_main(rest)
+    if what == "gates":
+        from .gates import main as gates_main
+        return gates_main(rest)
     if what == "cluster":
         from .cluster import main as cluster_main
         return cluster_main(rest)
     raise SystemExit(f"megamoe bench: unknown benchmark {what!r}; known: layer, megatron, schedule, placement, "
-                     "dynamic, inference, cluster")
+                     "dynamic, inference, cluster, gates")

@@ -1,0 +1,234 @@
+"""``megamoe bench gates``: the topology-aware gates measured on the emulated cluster (TA-MoE paper 002, FasterMoE's
+Hir gate, paper 003 §4.3).
+
+For each topology (2 nodes x 2, and an asymmetric 3 nodes of 2+1+1 ranks; inter-node links 4x slower than the
+intra-node ones by default) and each gate configuration (gshard; ta_moe with gate sync all / local / average:K;
+hir), ``megamoe train`` trains the same MoE GPT from the same seed and data under ``megamoe cluster run``. Per run:
+
+- the off-node share of the dispatched assignments (routing trace, last quarter of training; for ta_moe its target
+  from the derived pattern), and the MoE inter-node bytes per step that implies (computed from the trace:
+  assignments x hidden x 4 bytes x 4 exchanges per step);
+- the job's inter-node traffic per step, measured on the links (veth counters; every collective included);
+- the measured step time (median of the log lines after the first), the validation loss at the end, and the
+  training time to a target validation loss (the worst of the runs' best losses, so every run reaches it).
+
+``table1`` measures TA-MoE's Table 1 for real: device 0 sends 128 MB split evenly (1/4 each) or by the derived
+uneven pattern over the shaped links, in interleaved rounds.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from typing import Dict, List, Optional
+
+import torch
+
+from ..cluster import netns
+from ..cluster.launcher import run_job
+
+TOPOLOGIES = {"2x2": (2, 2), "3asym": (3, [2, 1, 1])}
+CONFIGS = ("gshard", "ta_moe:all", "ta_moe:local", "ta_moe:average:50", "hir")
+MODEL = ["--hidden", "256", "--layers", "4", "--heads", "4", "--ffn-hidden", "512", "--moe-every", "1",
+         "--seq-len", "64", "--batch-size", "8", "--moe-num-experts", "8", "--moe-top-k", "2",
+         "--moe-second-expert-policy", "all", "--moe-aux-loss-coeff", "0.01", "--lr", "3e-3", "--threads", "1",
+         "--corpus-bytes", "1000000", "--eval-batches", "8", "--seed", "0"]
+
+
+def _flags(config: str, world: int, steps: int, out: str) -> List[str]:
+    gate, _, sync = config.partition(":")
+    return (["megamoe", "train", *MODEL, "--steps", str(steps), "--eval-interval", str(max(steps // 8, 1)),
+             "--log-interval", str(max(steps // 20, 1)), "--moe-gate", gate, "--moe-gate-sync", sync or "all",
+             "--moe-expert-parallel-size", str(world), "--trace", os.path.join(out, "trace"),
+             "--metrics-json", os.path.join(out, "metrics.json")])
+
+
+def off_node_share(counts: torch.Tensor, groups: List[List[int]], last_fraction: float = 0.25) -> float:
+    """Fraction of the dispatched assignments whose expert lives on another node: counts [S, L, P, E] of a trace
+    (experts in contiguous blocks over the P ranks), over its last ``last_fraction`` of steps."""
+    S, L, P, E = counts.shape
+    node = {r: k for k, g in enumerate(groups) for r in g}
+    per = E // P
+    remote = torch.tensor([[node[p] != node[e // per] for e in range(E)] for p in range(P)], dtype=torch.float64)
+    c = counts[int(S * (1 - last_fraction)):].to(torch.float64)
+    return float((c * remote).sum() / c.sum().clamp_min(1))
+
+
+def target_share(groups: List[List[int]], bandwidth_gbps: List[float], smoothing: float = 0.1) -> float:
+    """TA-MoE's derived target: the mean over source ranks of the share its row sends off-node."""
+    from ..gates import target_dispatch_pattern
+    from ..topology import Topology
+    topo = Topology(groups, bandwidth_gbps=bandwidth_gbps)
+    c = target_dispatch_pattern(topo, 64e6, smoothing)
+    node = topo.node_ids()
+    P = topo.num_ranks
+    return sum(float(c[i, j]) for i in range(P) for j in range(P) if node[i] != node[j]) / P
+
+
+def time_to(evals: List[dict], target: float) -> Optional[float]:
+    """Training seconds at which the validation loss first reaches ``target`` (linear between evaluations)."""
+    prev = None
+    for e in evals:
+        if e["loss"] <= target:
+            if prev is None:
+                return e["train_seconds"]
+            f = (prev["loss"] - target) / max(prev["loss"] - e["loss"], 1e-12)
+            return prev["train_seconds"] + f * (e["train_seconds"] - prev["train_seconds"])
+        prev = e
+    return None
+
+
+def run_config(topology: str, config: str, steps: int, inter: float, intra: float, out: str, port: int) -> dict:
+    from ..stats import load_trace
+    nodes, procs = TOPOLOGIES[topology]
+    groups = [[0, 1], [2, 3]] if topology == "2x2" else [[0, 1], [2], [3]]
+    world = sum(len(g) for g in groups)
+    os.makedirs(out, exist_ok=True)
+    t0 = time.time()
+    code = run_job(_flags(config, world, steps, out), nodes, procs, inter, intra, master_port=port,
+                   log_dir=os.path.join(out, "logs"), timeout=3600, echo=lambda line: None, say=lambda t: None)
+    if code:
+        raise RuntimeError(f"{topology} {config}: megamoe train exited with {code} (logs: {out}/logs)")
+    with open(os.path.join(out, "metrics.json")) as f:
+        m = json.load(f)
+    with open(os.path.join(out, "logs", "network.json")) as f:
+        net = json.load(f)
+    trace = load_trace(os.path.join(out, "trace"))
+    counts = trace["counts"]
+    share = off_node_share(counts, groups)
+    S, L = counts.shape[:2]
+    assignments_per_step = float(counts.sum()) / S
+    hidden = int(MODEL[MODEL.index("--hidden") + 1])
+    step_times = [world * 8 * 64 / h["tokens_per_s"] for h in m["history"][1:]]
+    sent = sum(v["sent"] for v in net["nodes"].values())
+    return {"topology": topology, "config": config, "off_node_share": share,
+            "moe_inter_bytes_per_step": share * assignments_per_step * hidden * 4 * 4,
+            "link_bytes_per_step": sent / m["step"], "step_seconds": statistics.median(step_times),
+            "final_valid_loss": m["evals"][-1]["loss"], "evals": m["evals"], "wall_seconds": time.time() - t0,
+            "train_seconds": m["train_seconds"]}
+
+
+def table1(inter: float, intra: float, out: str, rounds: int, port: int) -> dict:
+    """TA-MoE Table 1 on the shaped links: 128 MB from device 0, even vs derived uneven split (interleaved)."""
+    os.makedirs(out, exist_ok=True)
+    result = os.path.join(out, "table1.json")
+    cmd = [sys.executable, "-m", "megamoe_plugin.bench.gates", "--table1-worker", result, "--rounds", str(rounds)]
+    code = run_job(cmd, 2, 2, inter, intra, master_port=port, log_dir=os.path.join(out, "logs"), timeout=1800,
+                   echo=lambda line: None, say=lambda t: None)
+    if code:
+        raise RuntimeError(f"table 1 exited with {code} (logs: {out}/logs)")
+    with open(result) as f:
+        return json.load(f)
+
+
+def _table1_worker(out: str, rounds: int, total: int = 128 << 20) -> None:
+    """Every rank: rank 0 sends ``total`` bytes split by each pattern (its own share stays), the others receive;
+    patterns interleaved round by round; rank 0 writes the medians."""
+    import torch.distributed as dist
+    from ..gates import target_dispatch_pattern
+    from ..topology import Topology
+
+    dist.init_process_group("gloo")
+    try:
+        rank, world = dist.get_rank(), dist.get_world_size()
+        topo = Topology.from_env(world_size=world)
+        derived = target_dispatch_pattern(topo, float(total), 0.0)[0].tolist()
+        patterns = {"even (1/4 each)": [0.25] * 4, "uneven (paper: 1/4, 1/2, 1/8, 1/8)": [0.25, 0.5, 0.125, 0.125],
+                    "derived from the measured topology": derived}
+        times = {k: [] for k in patterns}
+        for _ in range(rounds + 1):
+            for name, frac in patterns.items():
+                n = [int(total * f) // 4 for f in frac]
+                ins = [0] * world if rank else [0] + n[1:]
+                outs = [n[rank] if rank else 0] + [0] * (world - 1)
+                x, y = torch.zeros(sum(ins)), torch.empty(sum(outs))
+                dist.barrier()
+                t0 = time.perf_counter()
+                dist.all_to_all_single(y, x, outs, ins)
+                dt = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+                dist.all_reduce(dt, op=dist.ReduceOp.MAX)
+                times[name].append(float(dt))
+        if rank == 0:
+            with open(out, "w") as f:
+                json.dump({"topology": repr(topo), "patterns": patterns,
+                           "seconds": {k: statistics.median(v[1:]) for k, v in times.items()}}, f)
+    finally:
+        dist.destroy_process_group()
+
+
+def main(argv: Optional[List[str]] = None) -> dict:
+    p = argparse.ArgumentParser(prog="megamoe bench gates", description=__doc__.split("\n\n")[0])
+    p.add_argument("--topologies", default="2x2,3asym", help="comma list of: 2x2, 3asym")
+    p.add_argument("--configs", default=",".join(CONFIGS), help="comma list of gate[:sync] (sync: all, local, "
+                   "average:K)")
+    p.add_argument("--steps", type=int, default=200, help="training steps of every run")
+    p.add_argument("--inter-node-bandwidth", default="100MB/s")
+    p.add_argument("--intra-node-bandwidth", default="400MB/s", help="4x the inter-node links by default")
+    p.add_argument("--table1-rounds", type=int, default=3, help="interleaved rounds of TA-MoE's Table 1 (0 = skip)")
+    p.add_argument("--out", default="results/bench_gates", help="runs, traces, logs and results.json")
+    p.add_argument("--table1-worker", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--rounds", type=int, default=3, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.table1_worker:
+        _table1_worker(args.table1_worker, args.rounds)
+        return {}
+    why = netns.unavailable()
+    if why:
+        raise SystemExit(f"megamoe bench gates: {why}")
+    inter, intra = netns.parse_bandwidth(args.inter_node_bandwidth), netns.parse_bandwidth(args.intra_node_bandwidth)
+    results: Dict[str, object] = {"shaping": {"inter": inter, "intra": intra}, "runs": []}
+    if args.table1_rounds:
+        print(f"[bench gates] TA-MoE Table 1 on 2 nodes x 2 ({args.table1_rounds} interleaved rounds)", flush=True)
+        results["table1"] = table1(inter, intra, os.path.join(args.out, "table1"), args.table1_rounds, 29800)
+        print(json.dumps(results["table1"]["seconds"], indent=1), flush=True)
+    configs = args.configs.split(",")
+    for topology in args.topologies.split(","):
+        for i, config in enumerate(configs):
+            t0 = time.time()
+            print(f"[bench gates] {topology} {config} ({i + 1}/{len(configs)}) ...", flush=True)
+            run = run_config(topology, config, args.steps, inter, intra,
+                             os.path.join(args.out, topology, config.replace(":", "_")), 29810 + 2 * i)
+            results["runs"].append(run)
+            print(f"[bench gates] {topology} {config}: off-node share {run['off_node_share']:.3f}, step "
+                  f"{run['step_seconds'] * 1e3:.0f} ms, link {run['link_bytes_per_step'] / 1e6:.1f} MB/step, valid loss "
+                  f"{run['final_valid_loss']:.4f} ({time.time() - t0:.0f}s)", flush=True)
+    _finish(results, args)
+    return results
+
+
+def _finish(results: dict, args) -> None:
+    by_topo: Dict[str, List[dict]] = {}
+    for r in results["runs"]:
+        by_topo.setdefault(r["topology"], []).append(r)
+    for topology, runs in by_topo.items():
+        target = max(min(e["loss"] for e in r["evals"]) for r in runs)
+        groups = [[0, 1], [2, 3]] if topology == "2x2" else [[0, 1], [2], [3]]
+        bw = [results["shaping"]["intra"] / 1e9, results["shaping"]["inter"] / 1e9]
+        for r in runs:
+            r["target_loss"] = target
+            r["time_to_target"] = time_to(r["evals"], target)
+            if r["config"].startswith("ta_moe"):
+                r["target_off_node_share"] = target_share(groups, bw)
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "results.json"), "w") as f:
+        json.dump(results, f, indent=1)
+    print(format_results(results), flush=True)
+
+
+def format_results(results: dict) -> str:
+    lines = [f"{'topology':<7} {'config':<18} {'off-node':>8} {'target':>7} {'MoE inter MB/step':>17} "
+             f"{'link MB/step':>12} {'step ms':>8} {'valid loss':>10} {'time to target':>14}"]
+    for r in results["runs"]:
+        tgt = f"{r['target_off_node_share']:.3f}" if "target_off_node_share" in r else "-"
+        ttt = f"{r['time_to_target']:.1f}s" if r.get("time_to_target") is not None else "not reached"
+        lines.append(f"{r['topology']:<7} {r['config']:<18} {r['off_node_share']:>8.3f} {tgt:>7} "
+                     f"{r['moe_inter_bytes_per_step'] / 1e6:>17.2f} {r['link_bytes_per_step'] / 1e6:>12.2f} "
+                     f"{r['step_seconds'] * 1e3:>8.0f} {r['final_valid_loss']:>10.4f} {ttt:>14}")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()
