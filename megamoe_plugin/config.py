@@ -49,10 +49,10 @@ class MoEConfig:
                                                "2*p2 (GShard random routing); 'all' always keeps it.",
                                      SECOND_EXPERT_POLICIES)
     aux_loss_coeff: float = _opt(0.01, "Weight of the gate's balance loss (Switch/GShard/TA-MoE topology loss).")
-    gate_sync: str = _opt("all", "Gate synchronisation over data-parallel ranks: all (gradients averaged every step), "
-                                 "local (each rank's gate learns from its own gradient, as TA-MoE's per-rank targets "
-                                 "need) or average:K (local, plus the gate parameters averaged over ranks every K "
-                                 "optimizer steps).")
+    gate_sync: str = _opt("auto", "Gate synchronisation over data-parallel ranks: all (gradients averaged every step), "
+                                  "local (each rank's gate learns from its own gradient, as TA-MoE's per-rank "
+                                  "targets need), average:K (local, plus the gate parameters averaged over ranks every "
+                                  "K optimizer steps), or auto (local for ta_moe, all for every other gate).")
     z_loss_coeff: float = _opt(0.0, "Weight of the router z-loss mean(logsumexp(logits)^2) (ST-MoE); 0 disables.")
     gate_fp32: bool = _opt(True, "Compute the gate's logits and softmax in fp32 whatever the model dtype.")
     # --- dispatch ------------------------------------------------------------------------------------------------
@@ -105,9 +105,11 @@ class MoEConfig:
     placement_spare_slots: int = _opt(-1, "vExpert slots per rank beyond the experts it starts with (room for "
                                           "replicas); -1 = 1 with --moe-placement flexmoe, else 0.")
     placement_max_moves: int = _opt(4, "flexmoe: at most this many Expand/Shrink/Migrate per layer per run.")
-    placement_profile: str = _opt("flexmoe-a100", "Hardware profile whose cost model the placement policies "
-                                                  "consult: a name from `megamoe perf profiles` or a JSON file "
-                                                  "written by `megamoe perf calibrate`.")
+    placement_profile: str = _opt("auto", "Hardware profile whose cost model the placement policies consult: auto "
+                                          "(calibrate the running job's own process groups at the first placement "
+                                          "run, cached per cluster, refreshed when step times drift from the "
+                                          "predictions), a name from `megamoe perf profiles`, or a JSON file "
+                                          "written by `megamoe perf calibrate`.")
     placement_group_cache: int = _opt(32, "Replica gradient all-reduce process groups kept in the LRU cache "
                                           "(FlexMoE §4).")
     # --- dynamic shapes (DynaMoE: RECOMPILE, dynamic capacity, sample-assignment caching) --------------------------
@@ -213,7 +215,7 @@ class MoEConfig:
             if getattr(self, name) not in choices:
                 bad(name, f"must be one of {', '.join(choices)}")
         try:
-            parse_gate_sync(self.gate_sync)
+            parse_gate_sync(self.gate_sync, self.gate)
         except ValueError as e:
             bad("gate_sync", str(e))
         if not self.capacity_factor > 0:
@@ -315,6 +317,16 @@ class MoEConfig:
         return self.world_size or int(os.environ.get("WORLD_SIZE", "1"))
 
     @property
+    def gate_sync_mode(self):
+        """(mode, K) of --moe-gate-sync for this gate: ('all'|'local'|'average', K); auto resolved."""
+        return parse_gate_sync(self.gate_sync, self.gate)
+
+    @property
+    def local_gates(self) -> bool:
+        """Whether each rank's gate learns from its own gradient (local, average:K, or auto with ta_moe)."""
+        return self.gate_sync_mode[0] != "all"
+
+    @property
     def num_local_experts(self) -> int:
         return self.num_experts // self.expert_parallel_size
 
@@ -351,21 +363,20 @@ class MoEConfig:
         return cls(**d)
 
 
-def parse_gate_sync(text: str):
-    """--moe-gate-sync: 'all' -> ('all', 0), 'local' -> ('local', 0), 'average:K' -> ('average', K)."""
+def parse_gate_sync(text: str, gate: str = ""):
+    """--moe-gate-sync: 'all' -> ('all', 0), 'local' -> ('local', 0), 'average:K' -> ('average', K); 'auto' is
+    local for the ta_moe gate (its per-rank targets cancel under averaged gradients; measured on the emulated
+    cluster, docs/topology-gates.md) and all for every other gate."""
     t = str(text).strip().lower()
+    if t == "auto":
+        return ("local", 0) if gate == "ta_moe" else ("all", 0)
     if t in ("all", "local"):
         return t, 0
     if t.startswith("average:"):
         k = t.split(":", 1)[1]
         if k.isdigit() and int(k) >= 1:
             return "average", int(k)
-    raise ValueError("must be all, local or average:K with K >= 1 (e.g. average:100)")
-
-
-def is_local_gate_sync(text: str) -> bool:
-    """Whether gate gradients stay on their rank (``local`` and ``average:K``)."""
-    return parse_gate_sync(text)[0] != "all"
+    raise ValueError("must be all, local, average:K with K >= 1 (e.g. average:100), or auto")
 
 
 def flag(name: str) -> str:

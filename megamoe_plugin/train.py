@@ -48,7 +48,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from .cpu_alloc import retain_freed_memory
-from .config import ConfigError, MoEConfig, is_local_gate_sync as is_local, iter_options
+from .config import ConfigError, MoEConfig, iter_options
 from .data import build_corpus
 from .dynamic import DynamicRuntime, dynamic_enabled
 from .dynamic.assignment_cache import AssignmentCache
@@ -474,7 +474,7 @@ def save_checkpoint(path: str, model, optimizer, cfg: MoEConfig, step: int, args
              "ep_rank": ps.ep_rank}
     if dyn_states is not None:
         state["dynamic"] = dyn_states
-    if is_local(cfg.gate_sync):             # every rank's own gate (and its Adam state), in every file
+    if cfg.local_gates:             # every rank's own gate (and its Adam state), in every file
         state["gates"] = gather_rank_states(model, optimizer, dist.group.WORLD if ps.distributed else None)
     return checkpoints.save(path, state, ps.rank, ps.world_size, ps.ep_size)
 
@@ -593,7 +593,7 @@ def _resume(ckpt, model, optimizer, cfg: MoEConfig, ps: ParallelState, log) -> d
     rngs = state.get("rng_states") or []
     if len(rngs) == ps.world_size:
         torch.set_rng_state(rngs[ps.rank])
-    if state.get("gates") and is_local(cfg.gate_sync):   # this rank's gate, or the saved gates' mean
+    if state.get("gates") and cfg.local_gates:   # this rank's gate, or the saved gates' mean
         load_rank_state(model, rank_state_for(state["gates"], ps.rank, ps.world_size), optimizer)
     return state
 
@@ -657,7 +657,7 @@ def _train(parser, args, cfg: MoEConfig, ps: ParallelState, hook: AfterStepHook,
                 mine["cache"] = AssignmentCache.merge_states([d["cache"] for d in saved if "cache" in d])
             dynamic.load_state_dict(mine)
     result = TrainResult(step=start, model=model, optimizer=optimizer, moe_config=cfg, start_step=start)
-    gate_sync = GateSync(cfg.gate_sync, dist.group.WORLD if ps.distributed else None)
+    gate_sync = GateSync(cfg, dist.group.WORLD if ps.distributed else None)
     world_group = dist.group.WORLD if ps.distributed else None
     tokens_per_step = args.batch_size * args.seq_len * ps.world_size
     acc = torch.zeros(3, dtype=torch.float64)                  # loss, lm, aux sums over the interval
@@ -730,7 +730,8 @@ def _train(parser, args, cfg: MoEConfig, ps: ParallelState, hook: AfterStepHook,
             log(line)
             result.history.append({"step": done, "loss": mean[0], "lm_loss": mean[1], "aux_loss": mean[2],
                                    "lr": lr, "grad_norm": gnorm, "tokens_per_s": tps, "moe": summary,
-                                   "dynamic": dyn})
+                                   "dynamic": dyn, "placement": dict(placed or {},
+                                                                     moves_total=getattr(hook.policy, "total_moves", 0))})
             acc.zero_()
             acc_steps = 0
             t_last = time.perf_counter()

@@ -25,7 +25,7 @@ from fairseq.utils import safe_getattr
 
 import torch.distributed as dist
 
-from ..config import ConfigError, MoEConfig, is_local_gate_sync
+from ..config import ConfigError, MoEConfig
 from ..gates.sync import gate_params
 from . import distributed as moe_dist
 from .args import add_moe_args, config_from_fairseq, fill_moe_defaults, moe_dataclass, moe_freq
@@ -57,7 +57,7 @@ def moe_ify(model, args, encoder_layers, decoder_layers):
                           f"{len(decoder_layers)} decoder layers: no layer gets an MoE FFN; use a smaller "
                           "--moe-freq")
     model.moe_config = cfg
-    if is_local_gate_sync(cfg.gate_sync):       # --moe-gate-sync local / average:K: fairseq's DDP leaves gates alone
+    if cfg.local_gates:       # --moe-gate-sync local / average:K: fairseq's DDP leaves gates alone
         for p in gate_params(model):
             p.expert = True
     # c10d DDP: expert parameters are synchronised by the plugin, never by DDP

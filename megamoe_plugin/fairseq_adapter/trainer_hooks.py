@@ -206,7 +206,7 @@ def _wrap_trainer(Trainer) -> None:
             check_trainer_settings(cfg, moe)
             self._megamoe_dynamic = FairseqDynamic.create(self, moe)
             self._megamoe_hook = AfterStepHook(moe)
-            self._megamoe_gate_sync = GateSync(moe.gate_sync, dist.group.WORLD if dist.is_initialized() else None)
+            self._megamoe_gate_sync = GateSync(moe, dist.group.WORLD if dist.is_initialized() else None)
             self._megamoe_trace = TrainingTrace(_raw_model(self), moe) if moe.trace_path else None
 
     @functools.wraps(begin_epoch)

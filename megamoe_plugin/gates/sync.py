@@ -25,7 +25,6 @@ from typing import Dict, List, Optional
 import torch
 import torch.distributed as dist
 
-from ..config import parse_gate_sync
 
 
 def gate_params(model) -> List[torch.nn.Parameter]:
@@ -74,8 +73,8 @@ class GateSync:
     """What a trainer calls for ``--moe-gate-sync``: ``local`` (leave gates out of the gradient reduction),
     ``after_step`` (``average:K``)."""
 
-    def __init__(self, text: str, group=None):
-        self.mode, self.every = parse_gate_sync(text)
+    def __init__(self, cfg, group=None):
+        self.mode, self.every = cfg.gate_sync_mode
         self.group = group
         self.averaged = 0
 

@@ -19,7 +19,7 @@ import argparse
 import re
 from typing import Any, Callable, Dict, Optional
 
-from ..config import ConfigError, MoEConfig, flag, is_local_gate_sync, iter_options
+from ..config import ConfigError, MoEConfig, flag, iter_options
 
 PLUGIN_PREFIX = "--moe-plugin-"
 
@@ -210,7 +210,7 @@ def validate_moe_plugin_args(args) -> Optional[MoEConfig]:
     if cfg.assignment_cache and _get(args, "moe_layer_recompute", default=False):
         raise ConfigError("megamoe-plugin: --moe-plugin-assignment-cache with --moe-layer-recompute: the recomputed "
                           "forward would refresh the cache twice; drop one of the two")
-    if is_local_gate_sync(cfg.gate_sync):
+    if cfg.local_gates:
         if tp > 1:
             raise ConfigError(f"megamoe-plugin: --moe-plugin-gate-sync={cfg.gate_sync} with --tensor-model-parallel-size="
                               f"{tp}: tensor-parallel ranks all-reduce the router's gradients; use TP=1 or all")

@@ -35,7 +35,7 @@ from typing import Dict, List, Optional
 import torch
 import torch.distributed as dist
 
-from ..config import MoEConfig, is_local_gate_sync, parse_gate_sync
+from ..config import MoEConfig
 from ..placement import AfterStepHook
 from ..stats import TraceRecorder
 from .layer import PluginMoELayer, plugin_stats
@@ -90,14 +90,14 @@ class PluginStepHooks:
     def attach_gate_sync(self, model, optimizer) -> None:
         """--moe-plugin-gate-sync local / average:K: clip by a norm identical on every rank (before the first
         step; idempotent). The trainer wraps its finalize_model_grads with ``gate_sync.keep_local_gate_grads``."""
-        if is_local_gate_sync(self.cfg.gate_sync):
+        if self.cfg.local_gates:
             from .gate_sync import identical_clip_norm
             identical_clip_norm(model, optimizer)
 
     def after_step(self, model, optimizer, iteration: int, **extra) -> bool:
         """Call on every rank after a successful ``optimizer.step()``; ``iteration`` = steps done so far."""
         self.start_iteration(iteration + 1)
-        mode, every = parse_gate_sync(self.cfg.gate_sync)
+        mode, every = self.cfg.gate_sync_mode
         if mode == "average" and iteration % every == 0:
             from .gate_sync import average_gates
             average_gates(model, optimizer)

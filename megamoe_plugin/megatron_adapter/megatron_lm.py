@@ -41,7 +41,7 @@ from typing import Callable, List, Optional
 
 import torch
 
-from ..config import ConfigError, is_local_gate_sync
+from ..config import ConfigError
 from .args import moe_plugin_extra_args
 
 __all__ = ["install_megatron_lm_hooks", "moe_plugin_extra_args", "moe_plugin_gpt_builder", "wrap_gpt_builders",
@@ -109,7 +109,7 @@ def _wrap_validate_args(validate_args: Callable) -> Callable:
                 raise ConfigError("megamoe-plugin: --moe-plugin-nonfinite skip in pretrain_gpt.py: its train_step "
                                   "updates before the plugin can look; use raise (the default: stop naming the "
                                   "layer), or the megatron-core example trainer, which skips such iterations")
-            if cfg is not None and is_local_gate_sync(cfg.gate_sync) and int(os.environ.get("RANK", "0")) == 0:
+            if cfg is not None and cfg.local_gates and int(os.environ.get("RANK", "0")) == 0:
                 print(f"megamoe-plugin: warning: --moe-plugin-gate-sync={cfg.gate_sync} in pretrain_gpt.py: Megatron-LM's "
                       "checkpoint keeps one replica of each gate (rank 0's); a resumed run starts every rank from it "
                       "(the megatron-core trainer saves every rank's)", file=sys.stderr, flush=True)
@@ -201,14 +201,13 @@ def _wrap_finalize(finalize: Callable) -> Callable:
     average:K (gate_sync.keep_local_gate_grads), decided when it runs (the args exist by then)."""
     if getattr(finalize, "_megamoe_wrapped", False):
         return finalize
-    from ..config import is_local_gate_sync
     from .gate_sync import keep_local_gate_grads
     local = keep_local_gate_grads(finalize)
 
     @functools.wraps(finalize)
     def wrapped(*a, **kw):
         cfg = _plugin_cfg()
-        return (local if cfg is not None and is_local_gate_sync(cfg.gate_sync) else finalize)(*a, **kw)
+        return (local if cfg is not None and cfg.local_gates else finalize)(*a, **kw)
 
     wrapped._megamoe_wrapped = True
     return wrapped

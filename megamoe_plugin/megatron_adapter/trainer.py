@@ -235,9 +235,8 @@ def load_checkpoint(args, model, optimizer, scheduler) -> int:
 
 
 def _local_gates(args) -> bool:
-    from ..config import is_local_gate_sync
     cfg = getattr(args, "moe_plugin_config", None)
-    return cfg is not None and is_local_gate_sync(cfg.gate_sync)
+    return cfg is not None and cfg.local_gates
 
 
 def checkpoint_required(args) -> Optional[str]:
@@ -274,13 +273,12 @@ class Run:
         config.grad_scale_func = self.optimizer.scale_loss
         self.hooks = None
         if args.moe_plugin:
-            from ..config import is_local_gate_sync
             from .gate_sync import keep_local_gate_grads
             from .hooks import get_step_hooks
             global DYNAMIC
             self.hooks = get_step_hooks(args.moe_plugin_config, args.num_layers)
             DYNAMIC = self.hooks.setup(self.model, positions=args.seq_length)   # before the first forward
-            if is_local_gate_sync(args.moe_plugin_config.gate_sync):            # each rank's gate its own gradient
+            if args.moe_plugin_config.local_gates:            # each rank's gate its own gradient
                 config.finalize_model_grads_func = keep_local_gate_grads(finalize_model_grads)
                 self.hooks.attach_gate_sync([self.model], self.optimizer)
         self.dp_rank, self.dp = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()

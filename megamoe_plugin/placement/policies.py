@@ -16,8 +16,10 @@ Each run, for every MoE layer of this rank (in model order):
 3. execution: ``apply_placement`` moves parameters + optimizer state point to point and prepares the replica
    groups (collective over the default group: every rank calls it, with or without moves).
 
-The cost model is the hardware profile ``--moe-placement-profile`` (a named profile or the JSON that ``megamoe perf
-calibrate`` writes for this machine) at the expert-parallel size, with the layer's real shape.
+The cost model is the hardware profile ``--moe-placement-profile`` at the expert-parallel size, with the layer's real
+shape: ``auto`` (the default) calibrates the running job's own process groups at the first run (a second or two,
+cached per cluster; ``perfmodel.autoprofile``) and again when the measured step times drift away from the
+predictions; a named profile or the JSON that ``megamoe perf calibrate`` writes overrides it.
 
 ``metrics`` after a run (floats; layer means for ratios, sums for counts): ``balance_ratio`` (Eq. 6 of the last
 steps' routing under the placement they ran with), ``balance_ratio_next`` (the same counts under the new
@@ -74,12 +76,17 @@ class _Policy:
     name = ""
 
     def __init__(self, cfg: MoEConfig):
+        from ..perfmodel.autoprofile import DriftWatch
         from ..perfmodel.profiles import get_profile
         self.cfg = cfg
-        try:
-            self.profile = get_profile(cfg.placement_profile)
-        except ValueError as e:
-            raise ConfigError(f"{flag('placement_profile')}={cfg.placement_profile!r}: {e}") from None
+        self.profile = None                  # "auto": measured at the first run (every rank at the same step)
+        if cfg.placement_profile != "auto":
+            try:
+                self.profile = get_profile(cfg.placement_profile)
+            except ValueError as e:
+                raise ConfigError(f"{flag('placement_profile')}={cfg.placement_profile!r}: {e}") from None
+        self.drift = DriftWatch() if cfg.placement_profile == "auto" else None
+        self.calibrations = 0
         self._cost_models: Dict[tuple, object] = {}
         self._planners: Dict[tuple, object] = {}
         self.metrics: Dict[str, float] = {}
@@ -102,10 +109,28 @@ class _Policy:
     def decide(self, key, cm, rt, counts):
         raise NotImplementedError
 
+    def _ensure_profile(self, layers) -> None:
+        """--moe-placement-profile auto: calibrate this job at the expert shape of its first MoE layer (collective:
+        every rank runs the policies at the same step), or again after a drift."""
+        if self.profile is not None:
+            return
+        from ..perfmodel.autoprofile import auto_profile
+        bank = next((m.experts_bank for m in layers if getattr(m.plan, "placement", None) is not None), None)
+        if bank is None:
+            return
+        rank0 = not dist.is_initialized() or dist.get_rank() == 0
+        self.profile = auto_profile(bank.hidden_size, bank.ffn_hidden_size, bank.w1.dtype,
+                                    refresh=self.calibrations > 0,
+                                    log=(lambda t: print(f"megamoe-plugin: {t}", flush=True)) if rank0 else None)
+        self._cost_models.clear()
+        self._planners.clear()
+        self.calibrations += 1
+
     def __call__(self, ctx: StepContext) -> None:
         if not self._checked_optimizer:
             check_optimizer_supported(ctx.optimizer)
             self._checked_optimizer = True
+        self._ensure_profile(ctx.moe_layers)
         now = time.perf_counter()
         measured = None
         if self._clock is not None and self._last_iteration is not None and ctx.iteration > self._last_iteration:
@@ -131,6 +156,9 @@ class _Policy:
             if shadow is not None:
                 rt.set_shadowed(shadow)
         self._report(rows, sent, measured)
+        if self.drift is not None and self.drift.observe(measured, self.metrics.get("predicted_step_s", 0.0)):
+            self.profile = None               # the model no longer matches this cluster: measure it again
+            self.drift.reset()
         self._clock, self._last_iteration = time.perf_counter(), ctx.iteration
         self.runs += 1
 
@@ -167,6 +195,7 @@ class _Policy:
             "expert_efficiency": exp_num / exp_den if exp_den > 0 else 1.0,
             "replicas": float(replicas), "shadowed": float(shadowed), "moves": float(moves),
             "bytes_moved": float(group_bytes), "predicted_step_s": predicted,
+            "calibrations": float(self.calibrations),
         }
         if measured is not None:
             self.metrics["measured_step_s"] = measured

@@ -1,0 +1,158 @@
+"""The planners' default cost model: a short calibration of the running job's own process groups (``--moe-placement-
+profile auto``), so FlexMoE and shadowing decide with the cluster they run on rather than a paper's.
+
+``auto_profile(shape, ...)`` (collective over the default group; the after-step hook calls it at the planners'
+first run, every rank at the same point):
+
+1. looks up a cached profile for this cluster's signature (world size, the launcher's topology and its bandwidths,
+   device, cores, torch version, the experts' hidden/FFN sizes and dtype) in ``~/.cache/megamoe/profiles`` (or
+   ``$MEGAMOE_PROFILE_CACHE``); rank 0 decides and broadcasts, so every rank uses the same numbers;
+2. otherwise measures, in about a second or two on CPU: the expert FFN's forward+backward at the job's own
+   hidden/FFN sizes with every rank at once (and rank 0 alone: ranks sharing one machine's cores become a shared
+   compute pool), the point-to-point alpha-beta of every level of the topology (``Topology.measure``), and the
+   latency of a small all-to-all and all-reduce over the world; fits a ``HardwareProfile`` and caches it.
+
+``DriftWatch`` refreshes it: the policies log the measured training step time and the model's predicted MoE time
+after every run; when their ratio moves by more than ``tolerance`` (default 50%) away from the ratio seen right after
+calibration, for ``patience`` runs in a row, the profile is measured again (cache replaced).
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import platform
+import time
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from .profiles import HardwareProfile
+
+CACHE_ENV = "MEGAMOE_PROFILE_CACHE"
+
+
+def cache_dir() -> str:
+    return os.environ.get(CACHE_ENV) or os.path.join(os.path.expanduser("~"), ".cache", "megamoe", "profiles")
+
+
+def signature(hidden: int, ffn: int, dtype: torch.dtype, world: int, device: str) -> str:
+    """What the measured numbers depend on: the cluster (launcher topology and bandwidths, world, host), the
+    machine (device, cores, torch) and the experts' shape."""
+    parts = [f"world={world}", f"topology={os.environ.get('MEGAMOE_TOPOLOGY', '')}",
+             f"bw={os.environ.get('MEGAMOE_TOPOLOGY_BANDWIDTH_GBPS', '')}",
+             f"local={os.environ.get('LOCAL_WORLD_SIZE', '')}", f"host={platform.node()}", f"device={device}",
+             f"cores={os.cpu_count()}", f"threads={torch.get_num_threads()}", f"torch={torch.__version__}",
+             f"shape={hidden}x{ffn}", f"dtype={dtype}"]
+    return hashlib.sha1(";".join(parts).encode()).hexdigest()[:16]
+
+
+def _world() -> int:
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def _broadcast_json(obj) -> object:
+    if _world() == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def auto_profile(hidden: int, ffn: int, dtype: torch.dtype = torch.float32, refresh: bool = False,
+                 log=None) -> HardwareProfile:
+    """The cached or freshly measured profile of this job (collective; see the module docstring)."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    sig = signature(hidden, ffn, dtype, _world(), device)
+    path = os.path.join(cache_dir(), f"{sig}.json")
+    cached = None
+    if _rank() == 0 and not refresh and os.path.isfile(path):
+        try:
+            cached = HardwareProfile.load(path).to_dict()
+        except (ValueError, OSError, KeyError):
+            cached = None
+    cached = _broadcast_json(cached)
+    if cached is not None:
+        if log:
+            log(f"placement cost model: the cached calibration of this cluster ({path})")
+        return HardwareProfile.from_dict(cached)
+    t0 = time.perf_counter()
+    profile = measure_profile(hidden, ffn, dtype, torch.device(device))
+    profile.name = f"auto-{sig}"
+    if _rank() == 0:
+        os.makedirs(cache_dir(), exist_ok=True)
+        tmp = f"{path}.tmp{os.getpid()}"
+        profile.save(tmp)
+        os.replace(tmp, path)
+    if log:
+        log(f"placement cost model: calibrated this cluster in {time.perf_counter() - t0:.1f}s: "
+            f"{profile.gemm_tflops * 1e3:.1f} GFLOP/s per rank"
+            + (f" (pool {profile.shared_gemm_tflops * 1e3:.1f})" if profile.shared_gemm_tflops else "")
+            + f", links {profile.intra_bandwidth_gbps:.3g} / {profile.nic_bandwidth_gbps:.3g} GB/s "
+            f"(intra / inter-node), cached in {path}")
+    return profile
+
+
+def measure_profile(hidden: int, ffn: int, dtype: torch.dtype, device: torch.device) -> HardwareProfile:
+    """Collective: the micro-benchmarks of the module docstring, a HardwareProfile of this job."""
+    from ..topology import Topology
+    from .calibrate import measure_alltoall, measure_gemm
+
+    world = _world()
+    group = dist.group.WORLD if world > 1 else None
+    tokens = (128, 512)
+    gemm = measure_gemm(hidden, ffn, tokens=tokens, iters=2, device=device, dtype=dtype, group=group)
+    flops, shared = gemm["flops"], 0.0
+    if world > 1 and device.type == "cpu":
+        solo = torch.tensor([flops], dtype=torch.float64)
+        if _rank() == 0:
+            solo[0] = measure_gemm(hidden, ffn, tokens=tokens, iters=2, device=device, dtype=dtype)["flops"]
+        dist.broadcast(solo, 0)
+        if float(solo) > 1.25 * flops:                 # ranks sharing one machine's cores
+            flops, shared = float(solo), flops * world
+    if world == 1:
+        return HardwareProfile(name="auto", description="one process", source="measured at start-up",
+                               gemm_tflops=flops / 1e12, intra_bandwidth_gbps=1e3, nic_bandwidth_gbps=1e3,
+                               bytes_per_element=torch.tensor([], dtype=dtype).element_size())
+    topo = Topology.from_env(world_size=world).measure(group, large_bytes=1 << 21, iters=2)
+    a2a = measure_alltoall(group, sizes=(1 << 12, 1 << 16), iters=2, device=device)
+    local = topo.ranks_per_node()
+    multi = topo.depth >= 2 and world > local
+    return HardwareProfile(
+        name="auto", description=f"this job: {world} ranks ({max(world // local, 1)} node(s) x {local}) on "
+                                 f"{device.type}, measured at start-up",
+        source="measured at start-up by the placement policy: expert FFN fwd+bwd at the job's shape (all ranks at "
+               "once, and rank 0 alone), ping-pong per topology level, small all-to-all latency",
+        nodes=max(world // local, 1), gpus_per_node=local, gemm_tflops=flops / 1e12, intra="switch",
+        intra_bandwidth_gbps=topo.bandwidth_gbps[0] if multi else a2a["bandwidth"] / 1e9,
+        nic_bandwidth_gbps=topo.bandwidth_gbps[-1],
+        intra_latency_us=topo.latency_us[0] if multi else a2a["alpha_s"] * 1e6, nic_latency_us=topo.latency_us[-1],
+        bytes_per_element=torch.tensor([], dtype=dtype).element_size(), shared_gemm_tflops=shared / 1e12)
+
+
+class DriftWatch:
+    """Whether the measured step time has drifted from the model's predictions since the calibration: the ratio
+    measured / predicted, compared with the first ones after calibrating (module docstring)."""
+
+    def __init__(self, tolerance: float = 0.5, patience: int = 5, baseline_runs: int = 3):
+        self.tolerance, self.patience, self.baseline_runs = tolerance, patience, baseline_runs
+        self.reset()
+
+    def reset(self) -> None:
+        self._baseline, self._seen, self._strikes = [], 0, 0
+
+    def observe(self, measured: Optional[float], predicted: float) -> bool:
+        """True when the profile should be measured again."""
+        if measured is None or predicted <= 0:
+            return False
+        ratio = measured / predicted
+        if len(self._baseline) < self.baseline_runs:
+            self._baseline.append(ratio)
+            return False
+        base = sorted(self._baseline)[len(self._baseline) // 2]
+        self._strikes = self._strikes + 1 if abs(ratio / base - 1.0) > self.tolerance else 0
+        return self._strikes >= self.patience
