@@ -3,7 +3,8 @@ what must hold for any table and figure (a valid source label on every row, the 
 import os
 import re
 
-SOURCE = re.compile(r"^(paper|measured here \((CPU|GPU .+)\)|predicted \(.+ cost model\))$")
+SOURCE = re.compile(r"^(paper|measured here \((CPU|GPU .+)\)|predicted \(.+ cost model\)|"
+                    r"measured, emulated cluster: .+ nodes? .+, inter-node \d+ MB/s.*|not run here: .+)$")
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 LAUNCHER_ENV = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
 

@@ -137,3 +137,23 @@ def test_helpers_on_hand_made_inputs():
     assert tamoe.time_to_target(run, 1.0) == (None, None)
     assert tamoe.common_target([run, {"evals": [(10, 2.8)]}]) == 2.8
     assert math.isclose(sum(tamoe.PATTERNS["uneven"]), 1.0)
+
+
+def test_cluster_rows_from_a_bench_gates_folder():
+    """The rows `--cluster-results` adds come from the shipped `megamoe bench gates` results, labelled with the
+    cluster's shaping; without the folder one row says what it needs."""
+    import os
+    from reproduce_checks import SOURCE
+    from megamoe_plugin.reproduce import cluster_rows
+    from megamoe_plugin.reproduce.common import Table
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    res = cluster_rows.load(os.path.join(repo, "docs", "data", "bench_gates"))
+    conv = Table("c", "c", ["gate", "steps", "time", "best", "final", "share", "ms", "speedup", "source"])
+    cluster_rows.add_gate_rows(conv, res)
+    assert len(conv.rows) == 8 and all(SOURCE.match(r[-1]) for r in conv.rows)
+    local = next(r for r in conv.rows if r[0] == "ta_moe:local (2x2)")
+    gshard = next(r for r in conv.rows if r[0] == "gshard (2x2)")
+    assert local[5] < gshard[5] - 0.1 and "inter-node 100 MB/s, intra-node 400 MB/s" in local[-1]
+    empty = Table("e", "e", list(conv.columns))
+    cluster_rows.add_gate_rows(empty, None)
+    assert len(empty.rows) == 1 and SOURCE.match(empty.rows[0][-1]) and "not run here" in empty.rows[0][-1]

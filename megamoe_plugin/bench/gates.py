@@ -32,6 +32,13 @@ from ..cluster.launcher import run_job
 
 TOPOLOGIES = {"2x2": (2, 2), "3asym": (3, [2, 1, 1])}
 CONFIGS = ("gshard", "ta_moe:all", "ta_moe:local", "ta_moe:average:50", "hir")
+def shaping_label(results: dict, nodes: str = "2 nodes x 2") -> str:
+    """How a row measured by this bench was obtained (the reproduce tables' source column)."""
+    sh = results["shaping"]
+    intra = f", intra-node {sh['intra'] / 1e6:.0f} MB/s" if sh.get("intra") else ""
+    return f"measured, emulated cluster: {nodes}, inter-node {sh['inter'] / 1e6:.0f} MB/s{intra}"
+
+
 MODEL = ["--hidden", "256", "--layers", "4", "--heads", "4", "--ffn-hidden", "512", "--moe-every", "1",
          "--seq-len", "64", "--batch-size", "8", "--moe-num-experts", "8", "--moe-top-k", "2",
          "--moe-second-expert-policy", "all", "--moe-aux-loss-coeff", "0.01", "--lr", "3e-3", "--threads", "1",
@@ -168,6 +175,8 @@ def main(argv: Optional[List[str]] = None) -> dict:
     p.add_argument("--inter-node-bandwidth", default="100MB/s")
     p.add_argument("--intra-node-bandwidth", default="400MB/s", help="4x the inter-node links by default")
     p.add_argument("--table1-rounds", type=int, default=3, help="interleaved rounds of TA-MoE's Table 1 (0 = skip)")
+    p.add_argument("--schedule", default="compute:2,compute:4", help="smart-schedule cases measured on 2 nodes x 2 "
+                   "(bench schedule CONFIG:GROUPS, comma list; empty = skip)")
     p.add_argument("--out", default="results/bench_gates", help="runs, traces, logs and results.json")
     p.add_argument("--table1-worker", default=None, help=argparse.SUPPRESS)
     p.add_argument("--rounds", type=int, default=3, help=argparse.SUPPRESS)
@@ -184,8 +193,30 @@ def main(argv: Optional[List[str]] = None) -> dict:
         print(f"[bench gates] TA-MoE Table 1 on 2 nodes x 2 ({args.table1_rounds} interleaved rounds)", flush=True)
         results["table1"] = table1(inter, intra, os.path.join(args.out, "table1"), args.table1_rounds, 29800)
         print(json.dumps(results["table1"]["seconds"], indent=1), flush=True)
-    configs = args.configs.split(",")
-    for topology in args.topologies.split(","):
+    results["schedule"] = []
+    for case in filter(None, args.schedule.split(",")):
+        config, groups = case.split(":")
+        out = os.path.join(args.out, "schedule", f"{config}_g{groups}.json")
+        os.makedirs(os.path.dirname(out), exist_ok=True)
+        print(f"[bench gates] smart schedule {config}, {groups} groups, on 2 nodes x 2 ...", flush=True)
+        code = run_job(["megamoe", "bench", "schedule", "--config", config, "--routing", "balanced", "--groups",
+                        groups, "--iters", "8", "--json", out], 2, 2, inter, None, master_port=29790,
+                       log_dir=os.path.join(args.out, "schedule", "logs"), timeout=1800, echo=lambda line: None,
+                       say=lambda t: None)
+        if code:
+            raise RuntimeError(f"smart schedule {case}: exited with {code}")
+        with open(out) as f:
+            res = json.load(f)
+        results["schedule"].append({"case": case, "measured_ratio": res["measured_ratio"],
+                                    "single_group_ratio": res["measured"]["plain"] / res["measured"]["single"],
+                                    "components_ratio": res["components_ratio"],
+                                    "perfmodel_ratio": (res["perfmodel"] or {}).get("ratio"),
+                                    "plain_ms": res["measured"]["plain"] * 1e3, "smart_ms": res["measured"]["smart"] * 1e3,
+                                    "comm_share": 2 * (sum(res["components"]["S"]) + sum(res["components"]["R"]))
+                                    / res["measured"]["plain"], "upper_bound": res["upper_bound"]})
+        print(f"[bench gates] smart schedule {case}: plain / smart {res['measured_ratio']:.3f}", flush=True)
+    configs = [c for c in args.configs.split(",") if c]
+    for topology in filter(None, args.topologies.split(",")):
         for i, config in enumerate(configs):
             t0 = time.time()
             print(f"[bench gates] {topology} {config} ({i + 1}/{len(configs)}) ...", flush=True)

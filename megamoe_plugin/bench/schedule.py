@@ -306,6 +306,7 @@ def main(argv: Optional[List[str]] = None) -> dict:
     p.add_argument("--no-calibrate", action="store_true", help="skip the perfmodel calibration and its prediction")
     p.add_argument("--profile", default="", help="also predict the ratio on these perfmodel profiles (comma list)")
     p.add_argument("--output", help="also write the report here")
+    p.add_argument("--json", default=None, help="also write the results here (JSON)")
     args = p.parse_args(argv)
     launched = "RANK" in os.environ and "WORLD_SIZE" in os.environ and int(os.environ["WORLD_SIZE"]) > 1
     if args.threads <= 0:
@@ -333,6 +334,9 @@ def main(argv: Optional[List[str]] = None) -> dict:
             with open(result) as f:
                 res = json.load(f)
     emit_report([report(res)], args.output)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(res, f)
     return res
 
 

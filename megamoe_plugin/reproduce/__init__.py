@@ -29,6 +29,11 @@ def main(argv: Optional[List[str]] = None) -> dict:
     p.add_argument("paper", choices=sorted(PAPERS))
     p.add_argument("--fast", action="store_true", help="small sizes on the shipped traces (minutes; the CI test)")
     p.add_argument("--out", default=None, help="output folder (default: results/<paper>)")
+    p.add_argument("--cluster-results", default=None, metavar="DIR",
+                   help="tamoe, fastermoe: add the rows measured on the emulated cluster by `megamoe bench gates "
+                        "--out DIR`")
     args = p.parse_args(argv)
     mod = importlib.import_module(f"{__name__}.{args.paper}")
+    if args.cluster_results and args.paper in ("tamoe", "fastermoe"):
+        return mod.run(args.out or f"results/{args.paper}", args.fast, cluster_results=args.cluster_results)
     return mod.run(args.out or f"results/{args.paper}", args.fast)

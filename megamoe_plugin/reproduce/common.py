@@ -7,6 +7,9 @@ A reproduction writes, into its output folder, one markdown file per table (``<n
 * ``measured here (CPU)`` / ``measured here (GPU <name>)``: timed or counted in this run on this machine;
 * ``predicted (<profile> cost model)``: the calibrated performance model (``perfmodel``) for a named hardware
   profile (``johnny``, ``trevor``, ``flexmoe-a100``, or a calibrated JSON);
+* ``measured, emulated cluster: <nodes>, inter-node <X> MB/s[, intra-node <Y> MB/s]``: measured on `megamoe cluster`
+  (network namespaces, tbf-shaped links) by `megamoe bench gates`, read from its results folder;
+* ``not run here: <what it needs>``: a row that could not be produced in this run, saying why;
 * ``paper``: the paper's own number, copied for comparison (never computed here).
 
 ``parse_markdown_table`` reads a written table back (the tests check invariants on the parsed rows).

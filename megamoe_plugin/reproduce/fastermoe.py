@@ -246,7 +246,9 @@ def _load_traces(fast: bool, fallback) -> List[tuple]:
     return picked
 
 
-def run(out_dir: str, fast: bool, log=print) -> dict:
+def run(out_dir: str, fast: bool, log=print, cluster_results=None) -> dict:
+    from . import cluster_rows
+    cluster = cluster_rows.load(cluster_results)
     os.makedirs(out_dir, exist_ok=True)
     t_start = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
@@ -324,6 +326,7 @@ def run(out_dir: str, fast: bool, log=print) -> dict:
                   "shadowing (chosen every layer-iteration from its own counts, as FasterMoE does after the count "
                   "exchange); experts shadowed = mean over layer-iterations of shadowed / 16.",
                   "paper: 19% of the experts shadowed on average, up to 1.97x per iteration (1 expert shadowed)."]
+    cluster_rows.add_schedule_rows(t13, cluster)
     t13.notes += [scale_note, "smart schedule / both: `perfmodel.roofline` (groups = the profile's nodes); both = "
                   "Algorithm 1 with the smart-schedule latency. The last column compares the smart timeline with "
                   "the sequential execution of the same pairwise steps (never < 1 in the model); the smart "
@@ -353,6 +356,16 @@ def run(out_dir: str, fast: bool, log=print) -> dict:
         t3.add(RUNS[name][0], RUN_LABELS[name], steps, f"{secs:.1f} s" if secs is not None else "-",
                r["train_seconds"][str(last)] / last * 1e3, min(l for _, l in r["evals"]),
                offnode_share(torch.tensor(r["counts"]), nodes), measured())
+    if cluster is None:
+        t3.add("emulated cluster: not run", "-", None, "-", None, None, None, cluster_rows.HOW)
+    else:
+        for r in (r for r in cluster["runs"] if r["config"] in ("gshard", "hir")):
+            ttt = r.get("time_to_target")
+            t3.add("FASTERMoE w/ topo. gate (Hir)" if r["config"] == "hir" else "GShard", f"{r['config']} "
+                   f"({r['topology']}), target = that bench's common target", None,
+                   f"{ttt:.1f} s" if ttt is not None else "-", r["step_seconds"] * 1e3,
+                   min(e["loss"] for e in r["evals"]), r["off_node_share"],
+                   cluster_rows.shaping_label(cluster, cluster_rows.NODES.get(r["topology"], r["topology"])))
     pred_rows = [("gshard", False, "GShard"), ("switch", False, "-"), ("naive", False, "FastMoE"),
                  ("naive", True, "FASTERMoE w/o topo. gate"), ("hir", False, "-"),
                  ("hir", True, "FASTERMoE w/ topo. gate")]
@@ -443,7 +456,7 @@ def _plot_fig13(out_dir, table) -> str:
     plt = _plt()
     fig, ax = plt.subplots(figsize=(8, 3.8))
     labels, keys = [], ["shadowing", "smart schedule", "shadowing + smart"]
-    rows = table.rows
+    rows = [r for r in table.rows if r[-1] == PAPER or str(r[-1]).startswith("predicted")]
     w = 0.8 / len(keys)
     for i, row in enumerate(rows):
         labels.append(f"{row[0]}\n{row[1].split(' (')[0][:26]}\n({'paper' if row[-1] == PAPER else 'predicted'})")

@@ -293,7 +293,7 @@ def _train_flags(fast: bool, topo, gate: str) -> List[str]:
         "--threads", "1", "--log-interval", every, "--moe-every", "1", "--moe-num-experts", "8", "--seed", "0",
         "--lr", "3e-3", "--moe-expert-parallel-size", "4", "--moe-topology", TOPOLOGY,
         "--moe-topology-bandwidth-gbps", bw, "--moe-topology-latency-us", "0,0",
-        "--moe-ta-moe-exchange-mb", str(PAPER_MIB * MIB / 1e6), "--moe-gate", gate]
+        "--moe-ta-moe-exchange-mb", str(PAPER_MIB * MIB / 1e6), "--moe-gate", gate, "--moe-gate-sync", "all"]
 
 
 def _predicted_exchange(counts, net, total_bytes: float) -> List[float]:
@@ -313,7 +313,9 @@ def _predicted_exchange(counts, net, total_bytes: float) -> List[float]:
 
 
 # --------------------------------------------------------------------------------------------------------- run
-def run(out_dir: str, fast: bool, log=print) -> dict:
+def run(out_dir: str, fast: bool, log=print, cluster_results: Optional[str] = None) -> dict:
+    from . import cluster_rows
+    cluster = cluster_rows.load(cluster_results)
     from ..perfmodel.network import Network
     os.makedirs(out_dir, exist_ok=True)
     t_start = time.perf_counter()
@@ -352,6 +354,7 @@ def run(out_dir: str, fast: bool, log=print) -> dict:
             t1.add(ratios_text(name), float(mib), *[float(x) for x in r["us"]], float(r["all_us"]),
                    rows["even"]["all_us"] / r["all_us"], float(r["a2a_us"]), rows["even"]["a2a_us"] / r["a2a_us"],
                    label)
+    cluster_rows.add_table1_rows(t1, cluster, len(t1.columns))
     t1.notes += [
         f"predicted: link bandwidths fitted to the paper's EVEN row only: intra-node {topo.bandwidth_gbps[0]:.2f} "
         f"GB/s (32 MiB in 758 us), inter-node {topo.bandwidth_gbps[1]:.2f} GB/s per node (32 MiB in 5613.5 us), "
@@ -361,11 +364,13 @@ def run(out_dir: str, fast: bool, log=print) -> dict:
         "does not assume, so the model's All speedup is larger than the paper's.",
         f"'{DERIVED}': the pattern the package's ta_moe gate targets on this topology "
         "(gates.ta_moe.target_dispatch_pattern: water-filling of the alpha-beta model, smoothing 0.1).",
-        f"measured: 4 gloo processes on this machine, {meas_mib} MiB per device, median of "
-        f"{plan['iters']} rounds; 0->0 is a local copy. gloo on one host sends every pair over loopback TCP on the "
-        "same cores: there is no inter-node link and megamoe_plugin has no link emulation, so the measured rows "
-        "cannot reproduce the topology effect (on equal links the uneven pattern's doubled neighbour chunk is "
-        "expected to make it no faster).", busy,
+        f"measured here: 4 gloo processes on one host, {meas_mib} MiB per device, median of "
+        f"{plan['iters']} rounds; 0->0 is a local copy. On one host every pair goes over loopback TCP on the same "
+        "cores: no inter-node link, so these rows cannot show the topology effect (on equal links the uneven "
+        "pattern's doubled neighbour chunk makes it no faster).",
+        "measured, emulated cluster: `megamoe bench gates` on `megamoe cluster` (network namespaces, tbf-shaped "
+        "links; 4 gloo processes as 2 nodes x 2), 128 MB from device 0, median of interleaved rounds; All = device "
+        "0's exchange.", busy,
     ]
 
     # ---- convergence
@@ -396,6 +401,7 @@ def run(out_dir: str, fast: bool, log=print) -> dict:
         conv.add(f"{g}: all-to-all time of its routing on the Table 1 fit topology, 128 MiB/device",
                  i["steps"], i["comm"], None, None, None, i["per_step"] * 1e3,
                  info["gshard"]["comm"] / i["comm"] if i["comm"] else None, predicted(FIT_PROFILE))
+    cluster_rows.add_gate_rows(conv, cluster, gates=("gshard", "ta_moe"))
     for what, speed in PAPER_SPEEDUPS:
         conv.add(what, None, None, None, None, None, None, speed, PAPER)
     conv.add("TA-MoE model quality", None, None, None, None, None, None,
@@ -414,8 +420,12 @@ def run(out_dir: str, fast: bool, log=print) -> dict:
         "replicated parameter whose gradient is averaged over the ranks (train.sync_gradients), each rank's "
         "topology weights favour ITS node's experts, and the ranks' data shards are i.i.d.; on a symmetric tree "
         "every expert gets the same summed weight over the ranks, so in expectation the preferences cancel and "
-        "the loss acts as a plain balance loss. Steering toward the target pattern would need a rank-dependent "
-        "gate (e.g. per-rank gate parameters or input), which megamoe_plugin does not have.",
+        "the loss acts as a plain balance loss. Steering toward the target pattern needs rank-local gates: "
+        "--moe-gate-sync local (the default for ta_moe, auto), as the emulated-cluster rows use; these one-host "
+        "rows run with --moe-gate-sync all to show the cancellation.",
+        "emulated cluster rows (`megamoe bench gates`): `megamoe train` (4 MoE layers, hidden 256, 8 experts top-2, "
+        "EP=4, 200 steps) per gate config from one seed; time to target = training seconds to the worse run's best "
+        "validation loss; the 'all-to-all per step' column holds the measured step time (ms) there.",
         "predicted: each run's recorded routing per step and layer, each source's dispatch scaled to 128 MiB, "
         "through the Table 1 fit network; 4 all-to-alls per MoE layer per step; per step = the mean over the steps "
         "up to the target, time to target = their sum. Communication only (the part TA-MoE changes).",
