@@ -34,6 +34,9 @@ def main(argv: Optional[List[str]] = None):
     if what == "inference":
         from .inference import main as inference_main
         return inference_main(rest)
+    if what == "planners":
+        from .planners import main as planners_main
+        return planners_main(rest)
     if what == "gates":
         from .gates import main as gates_main
         return gates_main(rest)
@@ -41,4 +44,4 @@ def main(argv: Optional[List[str]] = None):
         from .cluster import main as cluster_main
         return cluster_main(rest)
     raise SystemExit(f"megamoe bench: unknown benchmark {what!r}; known: layer, megatron, schedule, placement, "
-                     "dynamic, inference, cluster, gates")
+                     "dynamic, inference, cluster, gates, planners")
