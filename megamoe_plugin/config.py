@@ -99,7 +99,10 @@ class MoEConfig:
                                   "predicts a gain) | shadow (FasterMoE: replicate hot experts on every rank for the "
                                   "next step), or a policy added with @register_placement_policy, or "
                                   "package.module:attr.")
-    placement_interval: int = _opt(1, "Run the placement policy every this many optimizer steps.")
+    placement_interval: int = _opt(0, "Run the placement policy every this many optimizer steps (it plans from their "
+                                      "summed routing); 0 = automatic: 10 for flexmoe (its moves pay off over the "
+                                      "interval, and each run costs collectives), 1 for shadow (FasterMoE decides per "
+                                      "iteration).")
     placement_threshold: float = _opt(1.2, "flexmoe: balance ratio (FlexMoE Eq. 6: the most loaded rank's tokens "
                                            "over the mean) above which experts are expanded and shrunk.")
     placement_spare_slots: int = _opt(-1, "vExpert slots per rank beyond the experts it starts with (room for "
@@ -254,8 +257,8 @@ class MoEConfig:
             bad("smart_groups", "must be >= 0 (0 = one group per node of the topology)")
         if self.smart_groups and self.expert_parallel_size % self.smart_groups:
             bad("smart_groups", f"must divide --moe-expert-parallel-size={self.expert_parallel_size}")
-        if self.placement_interval < 1:
-            bad("placement_interval", "must be >= 1")
+        if self.placement_interval < 0:
+            bad("placement_interval", "must be >= 1, or 0 for automatic")
         if not self.placement:
             bad("placement", "must not be empty (use 'none')")
         if self.placement_threshold < 1.0:
@@ -315,6 +318,11 @@ class MoEConfig:
     # ------------------------------------------------------------------------------------------------------------
     def resolved_world_size(self) -> int:
         return self.world_size or int(os.environ.get("WORLD_SIZE", "1"))
+
+    @property
+    def placement_every(self) -> int:
+        """--moe-placement-interval resolved: 10 for flexmoe and 1 otherwise when 0 (automatic)."""
+        return self.placement_interval or (10 if self.placement == "flexmoe" else 1)
 
     @property
     def gate_sync_mode(self):

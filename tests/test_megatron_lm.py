@@ -212,7 +212,7 @@ def test_flexmoe_placement_in_megatron_lm_same_training_and_checkpoint(checkout,
     base = CPU_ARGS + TINY_ARGS + ["--num-experts", "4", "--moe-router-topk", "2", "--moe-plugin", "--moe-plugin-gate",
                                    "gshard", "--moe-plugin-second-expert-policy", "all", "--log-interval", "1"]
     placement = ["--moe-plugin-placement", "flexmoe", "--moe-plugin-placement-profile", profile,
-                 "--moe-plugin-placement-threshold", "1.0"]
+                 "--moe-plugin-placement-threshold", "1.0", "--moe-plugin-placement-interval", "1"]
     base[base.index("--train-iters") + 1] = str(ITERS + 2)     # the LR schedule's length; the EP=2 runs stop at ITERS
     ep2 = ["--expert-model-parallel-size", "2"]
     runs = {}

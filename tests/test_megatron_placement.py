@@ -49,7 +49,7 @@ def profile(tmp_path_factory):
 
 def _policy(name, profile):
     return ["--moe-plugin-placement", name, "--moe-plugin-placement-profile", profile,
-            "--moe-plugin-placement-threshold", "1.0"]
+            "--moe-plugin-placement-threshold", "1.0", "--moe-plugin-placement-interval", "1"]
 
 
 def _placement_lines(out):

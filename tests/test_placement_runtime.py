@@ -218,7 +218,7 @@ def _slow_compute_profile(path):
 
 def _policy_run(rank, world, policy, profile):
     torch.manual_seed(0)
-    kw = dict(gate="test_placement_hot", placement_profile=profile, placement_threshold=1.0)
+    kw = dict(gate="test_placement_hot", placement_profile=profile, placement_threshold=1.0, placement_interval=1)
     ref = MoELayer(_cfg(world, **kw), H, F, ep_group=dist.group.WORLD)
     cfg = _cfg(world, placement=policy, **kw)
     moved = MoELayer(cfg, H, F, ep_group=dist.group.WORLD)
@@ -308,7 +308,7 @@ def _main_job(rank, world, profile, out_dir):
     tiny = ["--hidden", "32", "--layers", "2", "--heads", "2", "--ffn-hidden", "64", "--seq-len", "32",
             "--batch-size", "4", "--corpus-bytes", "100000", "--threads", "1", "--eval-interval", "0",
             "--eval-batches", "2", "--steps", "6", "--log-interval", "1", "--moe-expert-parallel-size", "2",
-            "--moe-placement-profile", profile, "--moe-placement-threshold", "1.0"]
+            "--moe-placement-profile", profile, "--moe-placement-threshold", "1.0", "--moe-placement-interval", "1"]
     plain = train.main(tiny)
     placed = train.main(tiny + ["--moe-placement", "flexmoe", "--save", os.path.join(out_dir, "ck")])
     assert [h["loss"] for h in placed.history] == pytest.approx([h["loss"] for h in plain.history], rel=1e-5)
@@ -324,7 +324,7 @@ def _main_job(rank, world, profile, out_dir):
         for k in want:
             assert torch.allclose(got[k], want[k], rtol=1e-4, atol=1e-6), k
     # resume from the checkpoint written after the moves: the placement comes back with the rows
-    resumed = train.main(tiny[:-10] + ["--steps", "6", "--moe-expert-parallel-size", "2", "--moe-placement",
+    resumed = train.main(tiny[:-12] + ["--steps", "6", "--moe-expert-parallel-size", "2", "--moe-placement",
                                        "flexmoe", "--moe-placement-profile", profile, "--resume",
                                        os.path.join(out_dir, "ck")])
     assert [m.plan.placement.state for m in resumed.model.moe_layers] == [rt.state for rt in rts]

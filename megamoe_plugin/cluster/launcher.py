@@ -104,7 +104,8 @@ def rank_env(cluster: EmulatedCluster, rank: int, procs_per_node, master_port: i
                LOCAL_WORLD_SIZE=str(len(groups[k])), GROUP_RANK=str(node.index), NODE_RANK=str(node.index),
                MASTER_ADDR=cluster.master_addr, MASTER_PORT=str(master_port), GLOO_SOCKET_IFNAME=node.ifname,
                TORCHELASTIC_RUN_ID=f"megamoe-cluster-{cluster.run_id}", MEGAMOE_CLUSTER=cluster.run_id,
-               MEGAMOE_TOPOLOGY=str(groups).replace(" ", ""))
+               MEGAMOE_TOPOLOGY=str(groups).replace(" ", ""),
+               MEGAMOE_CLUSTER_SHAPING=f"inter={cluster.inter_bandwidth:.0f},intra={cluster.intra_bandwidth or 0:.0f}")
     if probe_result is not None:
         intra = probe_result.intra_bytes_per_s
         inter = probe_result.inter_bytes_per_s or cluster.inter_bandwidth

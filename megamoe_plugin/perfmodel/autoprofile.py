@@ -7,10 +7,11 @@ first run, every rank at the same point):
 1. looks up a cached profile for this cluster's signature (world size, the launcher's topology and its bandwidths,
    device, cores, torch version, the experts' hidden/FFN sizes and dtype) in ``~/.cache/megamoe/profiles`` (or
    ``$MEGAMOE_PROFILE_CACHE``); rank 0 decides and broadcasts, so every rank uses the same numbers;
-2. otherwise measures, in about a second or two on CPU: the expert FFN's forward+backward at the job's own
+2. otherwise measures, in well under a second on CPU: the expert FFN's forward+backward at the job's own
    hidden/FFN sizes with every rank at once (and rank 0 alone: ranks sharing one machine's cores become a shared
-   compute pool), the point-to-point alpha-beta of every level of the topology (``Topology.measure``), and the
-   latency of a small all-to-all and all-reduce over the world; fits a ``HardwareProfile`` and caches it.
+   compute pool), the point-to-point alpha-beta of every level of the topology (``Topology.measure``), the
+   latency of a small all-to-all, a broadcast + reduce of one expert (what shadowing costs, with the library's
+   own algorithm) and the fixed cost of a tiny MoE layer step; fits a ``HardwareProfile`` and caches it.
 
 ``DriftWatch`` refreshes it: the policies log the measured training step time and the model's predicted MoE time
 after every run; when their ratio moves by more than ``tolerance`` (default 50%) away from the ratio seen right after
@@ -39,8 +40,9 @@ def cache_dir() -> str:
 def signature(hidden: int, ffn: int, dtype: torch.dtype, world: int, device: str) -> str:
     """What the measured numbers depend on: the cluster (launcher topology and bandwidths, world, host), the
     machine (device, cores, torch) and the experts' shape."""
+    shaping = os.environ.get("MEGAMOE_CLUSTER_SHAPING")       # the emulated cluster's settings, not its probe
     parts = [f"world={world}", f"topology={os.environ.get('MEGAMOE_TOPOLOGY', '')}",
-             f"bw={os.environ.get('MEGAMOE_TOPOLOGY_BANDWIDTH_GBPS', '')}",
+             f"bw={shaping or os.environ.get('MEGAMOE_TOPOLOGY_BANDWIDTH_GBPS', '')}",
              f"local={os.environ.get('LOCAL_WORLD_SIZE', '')}", f"host={platform.node()}", f"device={device}",
              f"cores={os.cpu_count()}", f"threads={torch.get_num_threads()}", f"torch={torch.__version__}",
              f"shape={hidden}x{ffn}", f"dtype={dtype}"]
@@ -120,6 +122,10 @@ def measure_profile(hidden: int, ffn: int, dtype: torch.dtype, device: torch.dev
                                bytes_per_element=torch.tensor([], dtype=dtype).element_size())
     topo = Topology.from_env(world_size=world).measure(group, large_bytes=1 << 21, iters=2)
     a2a = measure_alltoall(group, sizes=(1 << 12, 1 << 16), iters=2, device=device)
+    bcast_bw, bcast_lat = measure_broadcast(group, hidden * ffn * 2 * torch.tensor([], dtype=dtype).element_size(),
+                                            device)
+    from .calibrate import LayerCase, measure_layer
+    overhead, _ = measure_layer(LayerCase(64, 64, world, 16, top_k=1), group, iters=2, device=device)
     local = topo.ranks_per_node()
     multi = topo.depth >= 2 and world > local
     return HardwareProfile(
@@ -131,7 +137,25 @@ def measure_profile(hidden: int, ffn: int, dtype: torch.dtype, device: torch.dev
         intra_bandwidth_gbps=topo.bandwidth_gbps[0] if multi else a2a["bandwidth"] / 1e9,
         nic_bandwidth_gbps=topo.bandwidth_gbps[-1],
         intra_latency_us=topo.latency_us[0] if multi else a2a["alpha_s"] * 1e6, nic_latency_us=topo.latency_us[-1],
-        bytes_per_element=torch.tensor([], dtype=dtype).element_size(), shared_gemm_tflops=shared / 1e12)
+        bytes_per_element=torch.tensor([], dtype=dtype).element_size(), shared_gemm_tflops=shared / 1e12,
+        bcast_gbps=bcast_bw / 1e9, bcast_latency_us=bcast_lat * 1e6, layer_overhead_us=overhead * 1e6)
+
+
+def measure_broadcast(group, expert_bytes: int, device) -> tuple:
+    """(bytes/s, latency s) of a broadcast and a reduce from rank 0 over the group, fitted on a small message and
+    one expert's parameters: what a shadowed expert costs, with the collective library's real algorithm."""
+    from .calibrate import _fit_line, _timed
+    xs, ys = [], []
+    for nbytes in (1 << 10, max(int(expert_bytes), 1 << 12)):
+        buf = torch.zeros(max(nbytes // 4, 1), device=device)
+
+        def both():
+            dist.broadcast(buf, 0, group=group)
+            dist.reduce(buf, 0, group=group)
+        xs.append(float(nbytes))
+        ys.append(_timed(both, 2, 1, device, group) / 2)
+    alpha, inv_bw = _fit_line(xs, ys)
+    return (1.0 / inv_bw if inv_bw > 0 else xs[-1] / ys[-1]), max(alpha, 0.0)
 
 
 class DriftWatch:

@@ -78,10 +78,12 @@ class CostModel:
     tokens/s of one expert per device (FlexMoE's TPS, float or per rank); when given it replaces Eq.1.
     sync_bps: profiled all-reduce bytes/s per device group, keyed by the sorted tuple of its ranks.
     shared_gemm_flops: FLOP/s of a compute pool all ranks share (CPU ranks on one machine's cores: a rank runs
-    faster while the others wait); 0 = every rank computes on its own device (GPUs)."""
+    faster while the others wait); 0 = every rank computes on its own device (GPUs).
+    bcast: (bytes/s, latency s) of a broadcast or reduce over all ranks as measured on the job (the collective
+    library's own algorithm); None = the network's pipelined chain (shadowing's Eq. 8)."""
 
     def __init__(self, network: Network, gemm_flops, shape: LayerShape, tokens_per_second=None,
-                 sync_bps: Optional[dict] = None, shared_gemm_flops: float = 0.0):
+                 sync_bps: Optional[dict] = None, shared_gemm_flops: float = 0.0, bcast: Optional[tuple] = None):
         self.network = network
         self.shape = shape
         self.num_ranks = network.num_ranks
@@ -90,6 +92,7 @@ class CostModel:
             self._per_rank(tokens_per_second, "tokens_per_second")
         self.sync_bps = {tuple(sorted(int(r) for r in k)): float(v) for k, v in (sync_bps or {}).items()}
         self.shared_gemm_flops = float(shared_gemm_flops or 0.0)
+        self.bcast = bcast          # (bytes/s, seconds) of one measured broadcast (or reduce) over all ranks
 
     def _per_rank(self, value, what) -> torch.Tensor:
         t = torch.as_tensor(value, dtype=torch.float64).reshape(-1)
@@ -224,6 +227,9 @@ class CostModel:
         sync = 0.0
         p, s = self.num_ranks, self.shape.expert_param_bytes
         for e in shadowed:
+            if self.bcast is not None:          # measured: the library's broadcast and reduce as they run
+                sync += 2.0 * (self.bcast[1] + s / self.bcast[0])
+                continue
             owner = int(m[e].nonzero()[0])
             chain = [(owner + k) % p for k in range(p)]
             sync += self.network.broadcast_time(s, chain) + self.network.reduce_time(s, chain)

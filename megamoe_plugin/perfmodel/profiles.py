@@ -48,6 +48,9 @@ class HardwareProfile:
     tokens_per_second: Optional[float] = None  # profiled forward TPS of one expert (FlexMoE Eq.7); None = Eq.1
     sync_bps: Dict[str, float] = field(default_factory=dict)  # profiled all-reduce B/s, key "0,1,5" (sorted ranks)
     shared_gemm_tflops: float = 0.0        # a compute pool all ranks share (CPU ranks on one machine); 0 = none
+    bcast_gbps: float = 0.0                # measured broadcast + reduce over all ranks, effective GB/s; 0 = modelled
+    bcast_latency_us: float = 0.0          # ... and its fixed cost per call
+    layer_overhead_us: float = 0.0         # measured fixed cost of one MoE layer step (gate, sort, count exchange)
 
     @property
     def world_size(self) -> int:
@@ -92,7 +95,8 @@ class HardwareProfile:
         sync = {tuple(int(r) for r in k.split(",")): v for k, v in self.sync_bps.items()}
         sync = {k: v for k, v in sync.items() if max(k) < net.num_ranks}
         return CostModel(net, self.gemm_tflops * 1e12, shape, tokens_per_second=self.tokens_per_second,
-                         sync_bps=sync, shared_gemm_flops=self.shared_gemm_tflops * 1e12)
+                         sync_bps=sync, shared_gemm_flops=self.shared_gemm_tflops * 1e12,
+                         bcast=(self.bcast_gbps * 1e9, self.bcast_latency_us * 1e-6) if self.bcast_gbps else None)
 
     # --- persistence -------------------------------------------------------------------------------------------
     def to_dict(self) -> dict:

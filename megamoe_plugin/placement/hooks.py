@@ -87,7 +87,7 @@ class AfterStepHook:
 
     def run(self, model, optimizer, iteration: int, moe_layers: Optional[List[nn.Module]] = None, **extra) -> bool:
         """Call after ``optimizer.step()`` on every rank. Returns True when something ran."""
-        if not self.active or iteration % max(self.cfg.placement_interval, 1):
+        if not self.active or iteration % self.cfg.placement_every:
             return False
         if moe_layers is None:
             moe_layers = find_moe_layers(model)

@@ -45,19 +45,32 @@ from .runtime import apply_placement
 
 __all__ = ["FlexMoEPolicy", "ShadowPolicy", "global_counts"]
 
+# shadow an expert only when the model predicts it saves at least this fraction of the layer step: the
+# calibrated model's error on a step is about 10% (docs/cluster.md), so smaller predicted gains are noise
+SHADOW_MIN_GAIN = 0.05
+
 
 def global_counts(rt) -> torch.Tensor:
     """Collective over the layer's expert-parallel (then expert-data-parallel) group: [P, E] float64 counts of the
     training forwards since the last call, source rank x expert."""
-    mine = rt.take_step_counts().to(torch.float64)
+    return gather_counts([rt])[0]
+
+
+def gather_counts(runtimes) -> list:
+    """``global_counts`` of several layers that share their groups, in one all-gather (and one all-reduce): a
+    placement run costs two collectives however many MoE layers the model has."""
+    if not runtimes:
+        return []
+    rt0 = runtimes[0]
+    mine = torch.stack([rt.take_step_counts().to(torch.float64) for rt in runtimes])        # [L, E]
     parts = [mine]
-    if rt.ep.size > 1:
-        parts = [torch.empty_like(mine) for _ in range(rt.ep.size)]
-        dist.all_gather(parts, mine.contiguous(), group=rt.ep.group)
-    counts = torch.stack(parts)
-    if rt.edp_group is not None and dist.is_initialized() and dist.get_world_size(rt.edp_group) > 1:
-        dist.all_reduce(counts, group=rt.edp_group)
-    return counts.cpu()
+    if rt0.ep.size > 1:
+        parts = [torch.empty_like(mine) for _ in range(rt0.ep.size)]
+        dist.all_gather(parts, mine.contiguous(), group=rt0.ep.group)
+    counts = torch.stack(parts, 1)                                                           # [L, P, E]
+    if rt0.edp_group is not None and dist.is_initialized() and dist.get_world_size(rt0.edp_group) > 1:
+        dist.all_reduce(counts, group=rt0.edp_group)
+    return list(counts.cpu())
 
 
 def _agree(rt, decision) -> None:
@@ -135,22 +148,23 @@ class _Policy:
         measured = None
         if self._clock is not None and self._last_iteration is not None and ctx.iteration > self._last_iteration:
             measured = (now - self._clock) / (ctx.iteration - self._last_iteration)
-        changes, rows = [], []
-        for layer in ctx.moe_layers:
-            rt = getattr(layer.plan, "placement", None)
-            if rt is None:
-                continue
+        changes, rows, decisions = [], [], []
+        layers = [m for m in ctx.moe_layers if getattr(m.plan, "placement", None) is not None]
+        all_counts = gather_counts([m.plan.placement for m in layers])      # every layer in one collective
+        for layer, counts in zip(layers, all_counts):
+            rt = layer.plan.placement
             bank = layer.experts_bank
-            counts = global_counts(rt)
             dropped = rt.take_dropped()
             key, cm = self._cm(bank, rt.num_experts, rt.ep.size)
             before_loads = rt.state.rank_loads(counts, rt.shadowed)
             predicted = cm.shadow_layer_time(counts, rt.shadowed, rt.state.placement()).total if rt.shadowed \
                 else cm.layer_time(counts, rt.state.placement()).total
             moves, shadow = self.decide(key, cm, rt, counts)
-            _agree(rt, (moves, shadow))
+            decisions.append((moves, shadow))
             changes.append((rt, moves, bank))
             rows.append((rt, counts, dropped, before_loads, predicted, moves, shadow))
+        if layers:
+            _agree(layers[0].plan.placement, decisions)               # one check for every layer's plan
         sent = apply_placement(changes, ctx.optimizer)
         for rt, _, _, _, _, _, shadow in rows:
             if shadow is not None:
@@ -217,7 +231,7 @@ class FlexMoEPolicy(_Policy):
         if key not in self._planners:
             self._planners[key] = FlexMoEPlanner(cm, threshold=self.cfg.placement_threshold,
                                                  max_moves=self.cfg.placement_max_moves,
-                                                 horizon=float(self.cfg.placement_interval))
+                                                 horizon=float(self.cfg.placement_every))
         return self._planners[key].plan(rt.state, counts), None
 
 
@@ -229,5 +243,5 @@ class ShadowPolicy(_Policy):
     def decide(self, key, cm, rt, counts):
         from .shadow import ShadowPlanner
         if key not in self._planners:
-            self._planners[key] = ShadowPlanner(cm)
+            self._planners[key] = ShadowPlanner(cm, min_gain=SHADOW_MIN_GAIN)
         return [], ShadowPlanner.plan(self._planners[key], rt.state, counts)

@@ -28,9 +28,11 @@ __all__ = ["shadow_search", "select_shadow_experts", "ShadowPlanner"]
 
 
 def shadow_search(counts, latency: Callable[[List[int]], float],
-                  max_shadow: Optional[int] = None) -> Tuple[List[int], float]:
+                  max_shadow: Optional[int] = None, min_gain: float = 0.0) -> Tuple[List[int], float]:
     """Algorithm 1 over experts with a latency function: returns (shadowed expert ids in the order chosen,
-    predicted latency with them). ``counts`` [..., E]: loads are summed over all leading dims."""
+    predicted latency with them). ``counts`` [..., E]: loads are summed over all leading dims. ``min_gain``: an
+    expert is shadowed only if it lowers the predicted latency by at least this fraction (0 = the paper's rule;
+    a few percent keeps the planner idle where the gain is within the model's error)."""
     c = torch.as_tensor(counts)
     load = c.double().reshape(-1, c.shape[-1]).sum(0)
     order = [int(e) for e in torch.argsort(load, descending=True, stable=True) if load[e] > 0]
@@ -40,14 +42,15 @@ def shadow_search(counts, latency: Callable[[List[int]], float],
     c_min = latency(chosen)
     for e in order:
         t = latency(chosen + [e])
-        if t < c_min:
+        if t < c_min * (1.0 - min_gain):
             c_min, chosen = t, chosen + [e]
         else:
             break
     return chosen, c_min
 
 
-def select_shadow_experts(counts, cost_model, placement=None, max_shadow: Optional[int] = None) -> List[int]:
+def select_shadow_experts(counts, cost_model, placement=None, max_shadow: Optional[int] = None,
+                          min_gain: float = 0.0) -> List[int]:
     """Algorithm 1 with Eq. 7 / Eq. 8 predicted by ``cost_model`` (a ``perfmodel.cost.CostModel``) for counts
     [P, E] under ``placement`` (per expert its ranks; None = contiguous blocks). Returns the experts to shadow
     (possibly empty)."""
@@ -61,7 +64,7 @@ def select_shadow_experts(counts, cost_model, placement=None, max_shadow: Option
                           else cost_model.layer_time(c, placement)).total
         return cache[key]
 
-    return shadow_search(c, latency, max_shadow)[0]
+    return shadow_search(c, latency, max_shadow, min_gain)[0]
 
 
 class ShadowPlanner:
@@ -75,10 +78,11 @@ class ShadowPlanner:
 
     shadows = True          # tells the simulator this planner's plan is a set of shadowed experts, not moves
 
-    def __init__(self, cost_model, max_shadow: Optional[int] = None):
+    def __init__(self, cost_model, max_shadow: Optional[int] = None, min_gain: float = 0.0):
         self._cost = cost_model
         self._cache = {}
         self.max_shadow = max_shadow
+        self.min_gain = min_gain
 
     def cost_model(self, num_ranks: int):
         from .flexmoe import _resolve_cost_model
@@ -88,4 +92,4 @@ class ShadowPlanner:
         c = torch.as_tensor(counts).to(torch.float64)
         P = c.shape[0] if state is None else state.num_ranks
         placement = None if state is None else state.placement()
-        return select_shadow_experts(c, self.cost_model(P), placement, self.max_shadow)
+        return select_shadow_experts(c, self.cost_model(P), placement, self.max_shadow, self.min_gain)

@@ -1,0 +1,107 @@
+"""The planners' default cost model, --moe-placement-profile auto (perfmodel/autoprofile.py), on 2 gloo processes:
+
+- the start-up calibration takes seconds, is cached per cluster signature and reused by the next process (a
+  restarted job), and predicts the job's own MoE layer step within 50% (measured on this machine);
+- with the default profile, a skewed routing makes both planners act (FlexMoE moves, shadowing shadows) and a
+  balanced one makes neither act.
+"""
+import json
+import os
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from conftest import run_distributed
+from megamoe_plugin import MoEConfig, MoELayer
+from megamoe_plugin.gates import Gate, register_gate
+from megamoe_plugin.placement import AfterStepHook
+
+H, F = 256, 1024
+
+
+def _calibrate(rank, world, cache, out):
+    os.environ["MEGAMOE_PROFILE_CACHE"] = cache
+    from megamoe_plugin.perfmodel.autoprofile import auto_profile
+    from megamoe_plugin.perfmodel.calibrate import LayerCase, measure_layer
+    from megamoe_plugin.perfmodel.cost import LayerShape
+    t0 = time.perf_counter()
+    prof = auto_profile(H, F)
+    first = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    again = auto_profile(H, F)
+    second = time.perf_counter() - t0
+    measured, counts = measure_layer(LayerCase(H, F, 4, 2048), iters=5)
+    predicted = prof.cost_model(LayerShape(H, F, 4, bytes_per_element=4), world_size=world).layer_time(counts).total \
+        + prof.layer_overhead_us * 1e-6
+    if rank == 0:
+        with open(out, "w") as f:
+            json.dump({"first": first, "second": second, "measured": measured, "predicted": predicted,
+                       "same": prof.to_dict() == again.to_dict(), "name": prof.name}, f)
+
+
+@pytest.mark.slow
+def test_start_up_calibration_is_short_cached_and_predicts_the_layer(tmp_path, single_process):
+    cache = str(tmp_path / "profiles")
+    run_distributed(_calibrate, 2, cache, str(tmp_path / "a.json"))
+    a = json.loads((tmp_path / "a.json").read_text())
+    assert a["first"] < 10 and a["second"] < 0.5 and a["same"], a
+    assert len(os.listdir(cache)) == 1 and a["name"].startswith("auto-")
+    assert abs(a["predicted"] / a["measured"] - 1) < 0.5, a          # the stated tolerance
+    run_distributed(_calibrate, 2, cache, str(tmp_path / "b.json"))      # a restarted job: the cached profile
+    b = json.loads((tmp_path / "b.json").read_text())
+    assert b["first"] < 0.5 and b["name"] == a["name"], b
+    assert len(os.listdir(cache)) == 1
+
+
+@register_gate("test_autoprofile_hot")
+class _HotGate(Gate):
+    """Every token's choices are experts 0 and 1 (both on rank 0): as skewed as routing gets."""
+
+    def select(self, logits, probs):
+        score = probs.clone()
+        score[:, 0] += 3.0
+        score[:, 1] += 2.0
+        ids = torch.topk(score, self.top_k, dim=-1).indices
+        return ids, torch.ones_like(ids, dtype=torch.bool)
+
+
+def _planners(rank, world, gate, cache, out):
+    os.environ["MEGAMOE_PROFILE_CACHE"] = cache
+    acted = {}
+    for policy in ("flexmoe", "shadow"):
+        torch.manual_seed(0)
+        cfg = MoEConfig(num_experts=4, top_k=2, gate=gate, second_expert_policy="all", world_size=world,
+                        expert_parallel_size=world, aux_loss_coeff=0.01, placement=policy)   # default profile: auto
+        layer = MoELayer(cfg, H, F, ep_group=dist.group.WORLD)
+        opt = torch.optim.Adam(layer.parameters(), lr=1e-3)
+        hook = AfterStepHook(cfg)
+        gen = torch.Generator().manual_seed(rank)
+        shadowed = 0
+        for step in range(1, cfg.placement_every * 2 + 1):
+            x = torch.randn(1024, H, generator=gen)
+            opt.zero_grad()
+            layer(x).pow(2).mean().backward()
+            opt.step()
+            hook.run(layer, opt, step)
+            shadowed += len(layer.plan.placement.shadowed)
+        acted[policy] = {"moves": hook.policy.total_moves, "shadowed": shadowed,
+                         "calibrations": hook.policy.calibrations}
+    if rank == 0:
+        with open(out, "w") as f:
+            json.dump(acted, f)
+
+
+@pytest.mark.slow
+def test_default_profile_planners_act_on_skew_and_idle_on_balance(tmp_path, single_process):
+    cache = str(tmp_path / "profiles")
+    got = {}
+    for gate in ("test_autoprofile_hot", "naive"):
+        out = str(tmp_path / f"{gate}.json")
+        run_distributed(_planners, 2, gate, cache, out)
+        got[gate] = json.loads(open(out).read())
+    skewed, balanced = got["test_autoprofile_hot"], got["naive"]
+    assert skewed["flexmoe"]["moves"] > 0 and skewed["shadow"]["shadowed"] > 0, got
+    assert balanced["flexmoe"]["moves"] == 0 and balanced["shadow"]["shadowed"] == 0, got
+    assert all(v["calibrations"] == 1 for g in got.values() for v in g.values()), got
