@@ -522,7 +522,8 @@ def _write_metrics(path: str, result: "TrainResult") -> None:
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w") as f:
         json.dump({"step": result.step, "train_seconds": result.train_seconds, "history": plain(result.history),
-                   "evals": plain(result.evals), "skipped_steps": result.skipped_steps}, f)
+                   "evals": [dict(plain(e), train_seconds=result.eval_train_seconds.get(e["step"]))
+                             for e in result.evals], "skipped_steps": result.skipped_steps}, f)
 
 
 # -------------------------------------------------------------------------------------------------------- main
@@ -541,6 +542,7 @@ class TrainResult:
     cache_history: List[tuple] = field(default_factory=list)  # (epoch, kept fraction, caching on) per epoch
     skipped_steps: int = 0                      # updates dropped for non-finite router outputs (--moe-nonfinite skip)
     train_seconds: float = 0.0                  # wall time in training steps (evaluations and checkpoints excluded)
+    eval_train_seconds: Dict[int, float] = field(default_factory=dict)   # step of an eval -> train_seconds then
 
 
 def main(argv: Optional[Sequence[str]] = None) -> TrainResult:
@@ -739,7 +741,8 @@ def _train(parser, args, cfg: MoEConfig, ps: ParallelState, hook: AfterStepHook,
         if args.eval_interval and done % args.eval_interval == 0 and done != end:
             ev = evaluate(model, corpus, "valid", args.batch_size, args.seq_len, ps, args.eval_batches)
             log(_format_eval(done, ev))
-            result.evals.append({"step": done, "train_seconds": result.train_seconds, **ev})
+            result.evals.append({"step": done, **ev})
+            result.eval_train_seconds[done] = result.train_seconds
             t_last = time.perf_counter()
         if args.save_interval and done % args.save_interval == 0 and done != end:
             save_checkpoint(args.save, model, optimizer, cfg, done, args, ps, dynamic)
@@ -747,7 +750,8 @@ def _train(parser, args, cfg: MoEConfig, ps: ParallelState, hook: AfterStepHook,
 
     ev = evaluate(model, corpus, "valid", args.batch_size, args.seq_len, ps, args.eval_batches)
     log(_format_eval(result.step, ev))
-    result.evals.append({"step": result.step, "train_seconds": result.train_seconds, **ev})
+    result.evals.append({"step": result.step, **ev})
+    result.eval_train_seconds[result.step] = result.train_seconds
     if args.metrics_json and ps.is_main:
         _write_metrics(args.metrics_json, result)
     if args.save:

@@ -45,6 +45,7 @@ def _entry(rank, world, init_file, fn, args):
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
         fn(rank, world, *args)
+        dist.barrier()          # no rank tears its gloo pairs down while another still talks over them
     finally:
         dist.destroy_process_group()
 
