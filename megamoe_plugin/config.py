@@ -28,6 +28,7 @@ GATE_NAMES = ("naive", "switch", "gshard", "hir", "ta_moe")  # built-ins; gates.
 DISPATCH_NAMES = ("dropless", "capacity")
 ACTIVATIONS = ("gelu", "relu", "swiglu")
 CPU_GEMMS = ("auto", "onednn", "blas")
+EXPERT_KERNELS = ("auto", "grouped_mm", "loop")
 SECOND_EXPERT_POLICIES = ("all", "random")
 SCHEDULES = ("plain", "smart")
 CAPACITY_POLICIES = ("static", "dynamic")
@@ -74,6 +75,11 @@ class MoEConfig:
     activation: str = _opt("gelu", "Expert activation: gelu | relu | swiglu.", ACTIVATIONS)
     expert_bias: bool = _opt(False, "Give the experts' fc1/fc2 a bias.")
     init_std: float = _opt(0.02, "Std of the normal init of expert and gate weights.")
+    expert_kernel: str = _opt("auto", "How the experts compute: grouped_mm (torch's grouped GEMM, every expert in "
+                                      "one kernel per product, group offsets on the device: no host sync), loop "
+                                      "(one GEMM per expert; on CPU with lanes and oneDNN), auto = grouped_mm on "
+                                      "CUDA, on CPU whichever measured faster for the layer's shape.",
+                              EXPERT_KERNELS)
     cpu_expert_lanes: int = _opt(0, "CPU only: run this many experts side by side, one thread each; 0 = automatic "
                                     "(lanes = intra-op threads when groups are small), 1 = one after another.")
     cpu_gemm: str = _opt("auto", "CPU only: expert GEMMs through oneDNN's linear kernel or BLAS (torch.mm); auto = "
@@ -213,7 +219,7 @@ class MoEConfig:
             bad("top_k", "the switch gate routes each token to 1 expert; use --moe-top-k=1")
         if self.gate in ("gshard",) and self.top_k != 2:
             bad("top_k", "the gshard gate is top-2; use --moe-top-k=2 (or the naive gate for other k)")
-        for name in ("dispatch", "activation", "second_expert_policy", "cpu_gemm", "schedule", "nonfinite"):
+        for name in ("dispatch", "activation", "second_expert_policy", "cpu_gemm", "expert_kernel", "schedule", "nonfinite"):
             choices = _field(name).metadata["choices"]
             if getattr(self, name) not in choices:
                 bad(name, f"must be one of {', '.join(choices)}")

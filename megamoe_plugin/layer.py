@@ -47,7 +47,7 @@ class MoELayer(nn.Module):
         self.gate = build_gate(cfg, hidden_size, ep=self.ep, topology=topology)
         self.experts = ExpertBank(cfg.slots_per_rank, hidden_size, ffn, cfg.activation, cfg.expert_bias,
                                   cfg.init_std, dtype=dtype, device=device, cpu_lanes=cfg.cpu_expert_lanes,
-                                  cpu_gemm=cfg.cpu_gemm)
+                                  cpu_gemm=cfg.cpu_gemm, kernel=cfg.expert_kernel)
         if device is not None:
             self.gate.to(device)
         self.plan = DispatchPlan(cfg, self.ep, topology=topology, edp_group=edp_group)

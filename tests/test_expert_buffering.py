@@ -171,7 +171,8 @@ def test_random_sequences_match_reference_and_invariants():
 def _layer(E, H=16, F=24, activation="gelu", bias=False, lanes=0, ep=1, group=None, seed=0):
     cfg = MoEConfig(num_experts=E, top_k=2, gate="gshard", second_expert_policy="all", dispatch="dropless",
                     activation=activation, expert_bias=bias, cpu_expert_lanes=lanes,
-                    expert_parallel_size=ep, world_size=ep)
+                    expert_parallel_size=ep, world_size=ep,
+                    expert_kernel="loop")          # the buffered bank's kernel: outputs compare bitwise
     torch.manual_seed(seed)
     layer = MoELayer(cfg, H, F, ep_group=group)
     if bias:
@@ -244,7 +245,8 @@ def test_buffered_layer_expert_parallel():
 def test_banks_in_any_module_with_hand_counts():
     """Every ExpertBank of a model is buffered; groups with empty experts and more active experts than slots."""
     torch.manual_seed(3)
-    model = nn.ModuleList([ExpertBank(5, 8, 16, "relu", bias=True), ExpertBank(5, 8, 16, "gelu")]).eval()
+    model = nn.ModuleList([ExpertBank(5, 8, 16, "relu", bias=True, kernel="loop"),
+                           ExpertBank(5, 8, 16, "gelu", kernel="loop")]).eval()
     counts = [[3, 0, 4, 1, 2], [0, 0, 0, 0, 6], [1, 1, 1, 1, 1], [0, 2, 0, 0, 0], [0, 0, 0, 0, 0]]
     xs = [torch.randn(sum(c), 8) for c in counts]
     with torch.no_grad():

@@ -6,14 +6,16 @@
 3. The ExpertBank computes contiguous groups of exactly the received sizes: no capacity, no padding, nothing
    dropped, no [tokens x experts x capacity] mask.
 4. Combine reverses the exchange and sums each token's k outputs weighted by the gate, by index.
-The only host synchronisation is one ``tolist`` of the counts (the all-to-all-v needs its split sizes on the host).
+Host synchronisation: with one rank none (the counts stay a device tensor; every assignment keeps a row, the
+dropped ones sort last and the experts return zeros for them). With expert parallelism exactly one ``tolist`` of
+the send and receive counts: the all-to-all-v needs its split sizes on the host (as Megatron's dispatcher does).
 With dynamic placement the routing's ids are vExpert slots (``placement.runtime.SlotRouting``), P x W of them:
 the same code, the "experts" are slots.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Optional, Tuple
+from typing import List, Optional, Tuple, Union
 
 import torch
 
@@ -37,25 +39,26 @@ class DroplessDispatcher:
         self.num_experts, self.ep = num_experts, ep
         self.num_local_experts = num_experts // ep.size
 
-    def dispatch(self, x: torch.Tensor, routing: Routing) -> Tuple[torch.Tensor, List[int], _State]:
+    def dispatch(self, x: torch.Tensor, routing: Routing) -> Tuple[torch.Tensor, Union[torch.Tensor, List[int]],
+                                                                    _State]:
+        """-> (rows sorted by local expert, tokens per local expert, state for combine). The counts are the
+        routing's device tensor with one rank (rows then include the dropped tail), host ints otherwise."""
         T, k = routing.expert_ids.shape
         E, P = routing.counts.numel(), self.ep.size    # experts, or vExpert slots (placement/runtime.py)
         El = E // P
         order = torch.argsort(routing.masked_ids, stable=True)
         if P == 1:
-            send_counts = routing.counts.tolist()
-            recv = None
-        else:
-            recv = exchange_counts(routing.counts, self.ep.group)
-            host = torch.cat([routing.counts, recv]).tolist()          # the one host sync of the layer
-            send_counts, recv_counts = host[:E], host[E:]
+            position = torch.empty(T * k, dtype=torch.long, device=x.device)
+            position[order] = torch.arange(T * k, device=x.device)
+            return gather_rows(x, order // k), routing.counts, _State(position.view(T, k))
+        recv = exchange_counts(routing.counts, self.ep.group)
+        host = torch.cat([routing.counts, recv]).tolist()              # the one host sync of the layer
+        send_counts, recv_counts = host[:E], host[E:]
         n = sum(send_counts)
         order = order[:n]
         position = torch.full((T * k,), n, dtype=torch.long, device=x.device)
         position[order] = torch.arange(n, device=x.device)
         rows = gather_rows(x, order // k)
-        if P == 1:
-            return rows, send_counts, _State(position.view(T, k))
         in_splits = [sum(send_counts[r * El:(r + 1) * El]) for r in range(P)]
         out_splits = [sum(recv_counts[s * El:(s + 1) * El]) for s in range(P)]
         received = all_to_all(rows, out_splits, in_splits, self.ep.group)

@@ -19,8 +19,10 @@ Per bank, once enabled:
 * each forward (inference only: ``eval()`` and no gradients) reads the active experts from ``tokens_per_expert``
   (count > 0), asks ``ExpertSlotCache.plan_batch`` (inference/eviction.py: inactive experts are evicted first, then
   by the policy, LIFO by default) which experts to copy into which slot, copies the missing ones host -> slot and
-  runs each expert's FFN on its token group with the slot's weights (the same per-expert kernels as
-  ``experts.expert_forward``, so the output is bitwise the unbuffered bank's).
+  runs each expert's FFN on its token group with the slot's weights: experts arrive one by one, so the buffered
+  bank always computes with the loop kernel (``experts.expert_forward``'s per-expert GEMMs); its output is bitwise
+  the unbuffered bank's under ``--moe-expert-kernel loop``, and within fp32 rounding of it when the unbuffered
+  bank uses the grouped GEMM.
 * on CUDA the copies run on a dedicated copy stream: a copy waits for the event recorded after the last compute
   that read its slot, the compute waits for its copy's event, and copies are issued ahead as far as their slot is
   free, so loading the next experts overlaps computing the current one. (The bank is called after the dispatch
@@ -203,8 +205,9 @@ class ExpertBuffer:
         self.loads += 1
         self.bytes_copied += self.expert_bytes()
 
-    def forward(self, x: torch.Tensor, tokens_per_expert: List[int]) -> torch.Tensor:
-        counts = [int(c) for c in tokens_per_expert]
+    def forward(self, x: torch.Tensor, tokens_per_expert) -> torch.Tensor:
+        # which experts to load is a host decision: device counts are read here
+        counts = tokens_per_expert.tolist() if torch.is_tensor(tokens_per_expert) else [int(c) for c in tokens_per_expert]
         self._sync()                        # the parameters were reloaded or moved: back to host, slots follow
         self._check(x, counts)              # before no_grad: it refuses inputs that want gradients
         with torch.no_grad():
@@ -222,6 +225,7 @@ class ExpertBuffer:
         h = x.new_empty(x.shape[0], w1.shape[2])
         a = x.new_empty(x.shape[0], w2.shape[1])
         y = x.new_empty(x.shape[0], w2.shape[2])
+        y[sum(counts):].zero_()             # rows the gate dropped (kept at the tail by the dispatcher)
 
         def expert(slot, s, t):
             _mm_into(x[s:t], w1[slot], h[s:t], onednn, None if b1 is None else b1[slot])

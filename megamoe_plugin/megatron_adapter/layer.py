@@ -121,7 +121,8 @@ class PluginExperts(MegatronModule):
             self.bank = ExpertBank(cfg.slots_per_rank, config.hidden_size, cfg.expert_ffn_hidden_size or
                                    config.moe_ffn_hidden_size or config.ffn_hidden_size, cfg.activation,
                                    cfg.expert_bias, config.init_method_std, dtype=config.params_dtype,
-                                   device=torch.device("cpu"), cpu_lanes=cfg.cpu_expert_lanes, cpu_gemm=cfg.cpu_gemm)
+                                   device=torch.device("cpu"), cpu_lanes=cfg.cpu_expert_lanes, cpu_gemm=cfg.cpu_gemm,
+                                   kernel=cfg.expert_kernel)
         with torch.no_grad():
             for p in self.bank.parameters():
                 p[num_local_experts:].zero_()

@@ -1,27 +1,26 @@
-"""ExpertBank: the FFN experts that live on one rank, computed as one grouped operation.
+"""The loop kernel of the experts: one GEMM per expert (never per token), fc1 -> activation -> fc2 back to back.
 
-Weights are stacked per slot: ``w1`` [E_local, H, F'] (F' = 2F for swiglu), ``w2`` [E_local, F, H], optional biases
-``b1`` [E_local, F'] and ``b2`` [E_local, H]. One expert is one index along dim 0 of every parameter (and of every
-optimizer state tensor shaped like it), so copying, replicating or moving an expert with its optimizer state
-(FlexMoE vExperts, paper 001 §3.2-3.3) is a slice copy: see ``expert_state`` / ``load_expert_state``.
+``GroupedExpertFFN`` is a hand-written autograd function over contiguous expert groups whose sizes are host ints.
+Each expert's fc1 -> activation -> fc2 (and backward) runs while its rows are in cache, writing into slices of
+preallocated output and gradient buffers (``expert_forward`` / ``expert_backward``; the smart schedule,
+dispatch/smart.py, runs them chunk by chunk, adding up each chunk's weight gradients). Rows after the last group
+(assignments the gate dropped, kept at the tail so the dispatcher need not know their number) come out as zeros
+in the output and in the input gradient.
 
-Tokens arrive sorted by local expert in contiguous groups of sizes ``tokens_per_expert`` (host ints known from
-the dispatcher's count exchange). ``GroupedExpertFFN`` is a hand-written autograd function: a loop over experts
-(never over tokens); each expert's fc1 -> activation -> fc2 (and backward) runs back to back while its rows are in
-cache, writing into slices of preallocated output and gradient buffers (``expert_forward`` / ``expert_backward``;
-the smart schedule, dispatch/smart.py, runs them chunk by chunk, adding up each chunk's weight gradients). On CPU,
-many small groups run side by side on "lanes" (one thread each) instead of one after another with intra-op
-threads: small GEMMs parallelise poorly inside, well across experts (``cpu_expert_lanes``; 0 = automatic). CPU
-GEMMs go to oneDNN's linear kernel or BLAS (``cpu_gemm``): on this project's machines (AMD EPYC, MKL) oneDNN is
-markedly faster for fp32.
+On CPU, many small groups run side by side on "lanes" (one thread each) instead of one after another with
+intra-op threads: small GEMMs parallelise poorly inside, well across experts (``cpu_expert_lanes``; 0 =
+automatic, bounded by the cores this process may use shared among the node's ranks, ``lane_budget``). CPU GEMMs
+go to oneDNN's linear kernel or BLAS (``cpu_gemm``): on this project's machines (AMD EPYC, MKL) oneDNN is
+markedly faster for fp32. This is the right kernel on a CPU; on a GPU the grouped GEMM (experts/grouped.py) is.
 """
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple
+
+import os
 
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
 
 
@@ -99,15 +98,32 @@ _POOL_SIZE = 0
 SMALL_GROUP_FLOPS = 2.5e8     # below this many multiply-adds per group (x @ w1), lanes beat intra-op threads
 
 
+def lane_budget() -> int:
+    """Lanes one process may run: the cores it may use (its CPU affinity) shared among the ranks of its node
+    (LOCAL_WORLD_SIZE), and no more than its intra-op threads. Lanes beyond that oversubscribe the cores: measured
+    with 2-4 ranks on 2 cores, lanes ran 2.2-2.5x the GEMM floor while one expert after another stayed at
+    1.0-1.4x."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cores = os.cpu_count() or 1
+    try:
+        local_ranks = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    except ValueError:
+        local_ranks = 1
+    return max(1, min(torch.get_num_threads(), cores // local_ranks))
+
+
 def _lanes_for(x: torch.Tensor, groups, w1: torch.Tensor, requested: int) -> int:
     if x.device.type != "cpu" or len(groups) < 2:
         return 1
     threads = torch.get_num_threads()
     if requested:
         return max(1, min(requested, threads, len(groups)))
+    budget = lane_budget()
     mean_rows = sum(t - s for _, s, t in groups) / len(groups)
     small = mean_rows * w1.shape[1] * w1.shape[2] < SMALL_GROUP_FLOPS
-    return min(threads, len(groups)) if small and threads > 1 else 1
+    return min(budget, len(groups)) if small and budget > 1 else 1
 
 
 def _run_groups(fn, groups, lanes: int) -> None:
@@ -146,6 +162,9 @@ def expert_forward(x, w1, w2, b1, b2, groups, activation: str, lanes: int, onedn
     h = x.new_empty(x.shape[0], w1.shape[2])
     a = x.new_empty(x.shape[0], w2.shape[1])
     y = x.new_empty(x.shape[0], w2.shape[2])
+    used = groups[-1][2] if groups else 0
+    if used < x.shape[0]:            # the dropped tail: zero output, never read by the backward
+        y[used:].zero_(); h[used:].zero_(); a[used:].zero_()
 
     def expert(e, s, t):
         _mm_into(x[s:t], w1[e], h[s:t], onednn, None if b1 is None else b1[e])
@@ -162,6 +181,9 @@ def expert_backward(dy, x, h, a, w1, w2, groups, activation: str, lanes: int, on
     gw1/gw2/gb1/gb2 (overwriting them, or adding to them for the experts in the set `accumulate`: the smart
     schedule's later chunks). Experts absent from `groups` are left alone."""
     dx = torch.empty_like(x)
+    used = groups[-1][2] if groups else 0
+    if used < x.shape[0]:
+        dx[used:].zero_()
     acc = accumulate or ()
 
     def expert(e, s, t):
@@ -190,15 +212,6 @@ def expert_backward(dy, x, h, a, w1, w2, groups, activation: str, lanes: int, on
 
     _run_groups(expert, groups, lanes)
     return dx
-
-
-def check_input_dtype(x: torch.Tensor, bank: "ExpertBank", where: str) -> None:
-    """A clear error at the MoE layer's entry instead of a oneDNN / matmul failure deep inside: the tokens and
-    the experts' weights must have one dtype (the model is cast as a whole, e.g. --bf16 or model.to(dtype))."""
-    if x.dtype != bank.w1.dtype:
-        raise TypeError(f"{where}: input dtype {x.dtype} but the expert weights are {bank.w1.dtype}; cast the "
-                        f"model to the input's dtype (model.to({x.dtype}), or the trainer's --bf16 / --fp16 flag) or "
-                        f"the input to {bank.w1.dtype}")
 
 
 class GroupedExpertFFN(torch.autograd.Function):
@@ -236,61 +249,3 @@ class GroupedExpertFFN(torch.autograd.Function):
         return dx, gw1, gw2, gb1, gb2, None, None, None, None
 
 
-class ExpertBank(nn.Module):
-    """The experts of one rank. ``forward(x, tokens_per_expert)`` with x sorted into contiguous groups."""
-
-    def __init__(self, num_local_experts: int, hidden_size: int, ffn_hidden_size: int, activation: str = "gelu",
-                 bias: bool = False, init_std: float = 0.02, dtype: Optional[torch.dtype] = None, device=None,
-                 cpu_lanes: int = 0, cpu_gemm: str = "auto"):
-        super().__init__()
-        fc1_out = 2 * ffn_hidden_size if activation == "swiglu" else ffn_hidden_size
-        kw = {"dtype": dtype, "device": device}
-        self.num_local_experts, self.hidden_size, self.ffn_hidden_size = num_local_experts, hidden_size, ffn_hidden_size
-        self.activation, self.cpu_lanes, self.cpu_gemm = activation, cpu_lanes, cpu_gemm
-        self.w1 = nn.Parameter(torch.empty(num_local_experts, hidden_size, fc1_out, **kw))
-        self.w2 = nn.Parameter(torch.empty(num_local_experts, ffn_hidden_size, hidden_size, **kw))
-        self.b1 = nn.Parameter(torch.zeros(num_local_experts, fc1_out, **kw)) if bias else None
-        self.b2 = nn.Parameter(torch.zeros(num_local_experts, hidden_size, **kw)) if bias else None
-        nn.init.normal_(self.w1, std=init_std)
-        nn.init.normal_(self.w2, std=init_std)
-        for p in self.parameters():
-            p.expert = True          # fairseq skips these in the data-parallel all-reduce
-            p.allreduce = False      # Megatron reduces these over the expert-data-parallel group
-
-    placement = None    # a placement.runtime.PlacementRuntime when experts can be replicated, moved or shadowed
-
-    def weights(self) -> List[Optional[torch.Tensor]]:
-        """[w1, w2, b1, b2] as this step computes with them: the parameters, or with a non-trivial placement the
-        replica-synchronised slots plus this step's shadow copies (placement/runtime.py)."""
-        if self.placement is None or self.placement.trivial:
-            return [self.w1, self.w2, self.b1, self.b2]
-        return self.placement.expert_weights(self)
-
-    def forward(self, x: torch.Tensor, tokens_per_expert: List[int]) -> torch.Tensor:
-        # zero tokens still go through the function: every parameter gets a (zero) gradient on every rank
-        return GroupedExpertFFN.apply(x, *self.weights(), list(tokens_per_expert),
-                                      self.activation, self.cpu_lanes, self.cpu_gemm)
-
-    # --- slot API: one expert = one index along dim 0 -------------------------------------------------------
-    def expert_params(self) -> Dict[str, nn.Parameter]:
-        return {n: p for n, p in self.named_parameters()}
-
-    def expert_state(self, slot: int, optimizer: Optional[torch.optim.Optimizer] = None) -> Dict[str, torch.Tensor]:
-        """Copies of one expert's parameters and (if given) the optimizer state tensors shaped like them."""
-        out = {n: p.detach()[slot].clone() for n, p in self.expert_params().items()}
-        if optimizer is not None:
-            for n, p in self.expert_params().items():
-                for key, val in optimizer.state.get(p, {}).items():
-                    if torch.is_tensor(val) and val.shape == p.shape:
-                        out[f"{n}/{key}"] = val[slot].clone()
-        return out
-
-    @torch.no_grad()
-    def load_expert_state(self, slot: int, state: Dict[str, torch.Tensor],
-                          optimizer: Optional[torch.optim.Optimizer] = None) -> None:
-        for n, p in self.expert_params().items():
-            p[slot].copy_(state[n])
-            if optimizer is not None:
-                for key, val in optimizer.state.get(p, {}).items():
-                    if torch.is_tensor(val) and val.shape == p.shape and f"{n}/{key}" in state:
-                        val[slot].copy_(state[f"{n}/{key}"])

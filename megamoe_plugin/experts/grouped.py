@@ -11,7 +11,10 @@ This is the GPU path of the field (torchtitan's ``torch._grouped_mm``, Megatron'
 one kernel launch per product for every expert at once. On CUDA the kernels take bf16/fp16 and accumulate in
 fp32. On CPU torch 2.13 runs it in fp32 and bf16 but refuses bf16 operands whose rows are not a multiple of 16
 bytes: ``GroupedExpertMM`` pads H and F to multiples of 8 elements inside (zeros: the padded products add
-nothing) and slices the results back. Rows with no group (a dropped or empty tail) are never read or written.
+nothing) and slices the results back. Rows after the last group (assignments the gate dropped, kept at the tail
+so that nobody has to read their number on the host) come out as zeros in the output and the input gradient and
+add nothing to any weight or bias gradient; the kernel leaves such rows undefined, so they are masked here with
+a device comparison, never a host read.
 
 ``offsets_from_counts(counts)`` turns per-expert counts (a device tensor) into the int32 cumulative ends the
 kernel takes.
@@ -54,9 +57,14 @@ def _pad(t: torch.Tensor, dims) -> torch.Tensor:
 
 
 def _group_ids(offs: torch.Tensor, rows: int) -> torch.Tensor:
-    """Per row the index of its group (rows beyond the last offset get the last group; they are never used)."""
-    return torch.searchsorted(offs.to(torch.int64), torch.arange(rows, device=offs.device), right=True).clamp_(
-        max=offs.numel() - 1)
+    """Per row the index of its group; rows after the last group get E (one past the experts)."""
+    return torch.searchsorted(offs.to(torch.int64), torch.arange(rows, device=offs.device), right=True)
+
+
+def _tail(offs: torch.Tensor, rows: int) -> torch.Tensor:
+    """[rows, 1] True for the rows after the last group."""
+    return (torch.arange(rows, device=offs.device) >= offs[-1].to(torch.int64)).unsqueeze(1) if offs.numel() else \
+        torch.ones(rows, 1, dtype=torch.bool, device=offs.device)
 
 
 def _act(h, activation):
@@ -96,35 +104,37 @@ class GroupedExpertMM(torch.autograd.Function):
             w1p = _pad(w1, (Hp, F1p))
         w2p = _pad(w2, (Fp, Hp))
         gid = _group_ids(offs, T) if (b1 is not None or b2 is not None) else None
-        h = _gmm(xp, w1p, offs)
+        tail = _tail(offs, T)
+        h = _gmm(xp, w1p, offs).masked_fill_(tail, 0)
         if b1 is not None:
             b1p = torch.cat([_pad(b1[..., :Fh], (Fp,)), _pad(b1[..., Fh:], (Fp,))], -1) if swiglu else _pad(b1, (F1p,))
-            h = h + b1p.index_select(0, gid)
+            h = h + F.pad(b1p, (0, 0, 0, 1)).index_select(0, gid)        # the tail's "expert" E adds zeros
         a = _act(h, activation)
         y = _gmm(a, w2p, offs)
         if b2 is not None:
-            y = y + _pad(b2, (Hp,)).index_select(0, gid)
-        ctx.save_for_backward(xp, w1p, w2p, h, a, offs)
+            y = y + F.pad(_pad(b2, (Hp,)), (0, 0, 0, 1)).index_select(0, gid)
+        y = y.masked_fill_(tail, 0)
+        ctx.save_for_backward(xp, w1p, w2p, h, a, offs, tail)
         ctx.dims, ctx.activation, ctx.has_bias, ctx.gid = (H, Fh, Hp, Fp, swiglu), activation, \
             (b1 is not None, b2 is not None), gid
         return y[:, :H] if Hp != H else y
 
     @staticmethod
     def backward(ctx, dy):
-        xp, w1p, w2p, h, a, offs = ctx.saved_tensors
+        xp, w1p, w2p, h, a, offs, tail = ctx.saved_tensors
         H, Fh, Hp, Fp, swiglu = ctx.dims
         E = w1p.shape[0]
-        dy = _pad(dy.contiguous(), (Hp,))
+        dy = _pad(dy.contiguous(), (Hp,)).masked_fill(tail, 0)
         da = _gmm(dy, w2p.transpose(1, 2), offs)
         dw2 = _gmm(a.t(), dy, offs)
-        dh = _act_backward(da, h, ctx.activation)
-        dx = _gmm(dh, w1p.transpose(1, 2), offs)
+        dh = _act_backward(da, h, ctx.activation).masked_fill_(tail, 0)
+        dx = _gmm(dh, w1p.transpose(1, 2), offs).masked_fill_(tail, 0)
         dw1 = _gmm(xp.t(), dh, offs)
         db1 = db2 = None
         if ctx.has_bias[0]:
-            db1 = torch.zeros(E, dh.shape[1], dtype=dh.dtype, device=dh.device).index_add_(0, ctx.gid, dh)
+            db1 = torch.zeros(E + 1, dh.shape[1], dtype=dh.dtype, device=dh.device).index_add_(0, ctx.gid, dh)[:E]
         if ctx.has_bias[1]:
-            db2 = torch.zeros(E, Hp, dtype=dy.dtype, device=dy.device).index_add_(0, ctx.gid, dy)[:, :H]
+            db2 = torch.zeros(E + 1, Hp, dtype=dy.dtype, device=dy.device).index_add_(0, ctx.gid, dy)[:E, :H]
         # back to the parameters' own shapes
         if swiglu and Fp != Fh:
             dw1 = torch.cat([dw1[:, :H, :Fh], dw1[:, :H, Fp:Fp + Fh]], -1)
