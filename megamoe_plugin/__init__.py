@@ -6,6 +6,6 @@ from .layer import MoELayer, collect_aux_loss, moe_layers
 from .stats import StatsSink, TraceRecorder, load_trace
 from .topology import Topology
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 __all__ = ["ConfigError", "MoEConfig", "MoELayer", "collect_aux_loss", "moe_layers", "StatsSink", "TraceRecorder",
            "load_trace", "Topology"]
