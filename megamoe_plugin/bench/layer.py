@@ -301,16 +301,26 @@ def main(argv: Optional[List[str]] = None) -> List[dict]:
     p.add_argument("--skip-gshard", action="store_true", help="skip the dense-mask einsum (slow, GiB of masks)")
     p.add_argument("--skip-megatron", action="store_true")
     p.add_argument("--output", help="also write the markdown table here")
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
+                   help="cuda: the GPU comparison against megatron-core's SequentialMLP / GroupedMLP / TE "
+                        "(bench/layer_device.py)")
+    p.add_argument("--dtype", default="fp32", choices=("fp32", "bf16", "fp16"), help="with --device cuda")
     p.add_argument("--no-retain-freed-memory", action="store_true",
                    help="leave glibc's malloc thresholds alone (every implementation then page-faults its large "
                         "buffers in every step)")
     args = p.parse_args(argv)
+    for name in args.configs.split(","):
+        if name not in CONFIGS:
+            p.error(f"--configs: unknown config {name!r}; known: {', '.join(CONFIGS)}")
+    if args.device == "cuda":
+        from .layer_device import main as device_main
+        return device_main(args.configs.split(","), args.routing.split(","), args.repeat, args.dtype, args.output)
+    if args.dtype != "fp32":
+        p.error("--dtype: the CPU benchmark is fp32 (bf16 comparisons are the --device cuda run)")
     torch.set_num_threads(args.threads)
     retained = False if args.no_retain_freed_memory else retain_freed_memory()
     rows = []
     for name in args.configs.split(","):
-        if name not in CONFIGS:
-            p.error(f"--configs: unknown config {name!r}; known: {', '.join(CONFIGS)}")
         for routing in args.routing.split(","):
             if routing not in ("balanced", "skewed"):
                 p.error(f"--routing: {routing!r} is not balanced or skewed")

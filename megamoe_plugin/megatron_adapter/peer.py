@@ -105,6 +105,8 @@ def build_megatron_moe_layer(
     activation: Union[str, Callable] = "gelu",
     dtype: torch.dtype = torch.float32,
     seed: Optional[int] = None,
+    grouped_gemm: bool = False,
+    use_te: bool = False,
 ):
     """Return megatron-core's ``MoELayer`` (a ``torch.nn.Module``, in training mode).
 
@@ -119,7 +121,9 @@ def build_megatron_moe_layer(
     ``moe_router_pre_softmax=True`` (p = full softmax prob, no renormalisation).
     ``seed``: if given, the random init uses a private RNG stream seeded with it (the
     global CPU RNG is left as it was); if None the init draws from the global CPU RNG.
-    Load real weights with ``load_expert_weights`` / ``load_router_weight``.
+    Load real weights with ``load_expert_weights`` / ``load_router_weight`` (SequentialMLP only).
+    ``grouped_gemm`` / ``use_te``: megatron's GroupedMLP (needs the ``grouped_gemm`` package) or Transformer
+    Engine's grouped linear experts instead, for timing comparisons on a GPU (random init, weights not loadable).
 
     Forward: ``output, bias = layer(hidden_states)`` with ``hidden_states`` of shape
     ``[seq, batch, hidden]``; ``output`` has the same shape and dtype, ``bias`` is None.
@@ -155,7 +159,7 @@ def build_megatron_moe_layer(
         moe_router_topk=top_k,
         moe_ffn_hidden_size=ffn_hidden_size,
         moe_token_dispatcher_type="alltoall",
-        moe_grouped_gemm=False,
+        moe_grouped_gemm=grouped_gemm,
         moe_expert_capacity_factor=None,
         moe_pad_expert_input_to_capacity=False,
         moe_aux_loss_coeff=0.0,
@@ -189,7 +193,7 @@ def build_megatron_moe_layer(
         hidden_dropout=0.0,
         attention_dropout=0.0,
     )
-    spec = get_moe_module_spec(use_te=False, num_experts=num_experts, moe_grouped_gemm=False)
+    spec = get_moe_module_spec(use_te=use_te, num_experts=num_experts, moe_grouped_gemm=grouped_gemm)
 
     def _build():
         return MoELayer(config=config, submodules=spec.submodules, layer_number=1)

@@ -1,0 +1,180 @@
+"""`megamoe bench layer --device cuda --dtype bf16`: the MoE layer on a GPU against megatron-core's experts.
+
+Same inputs as the CPU benchmark (``bench.layer.make_inputs``), cast to the dtype and moved to the device.
+Implementations, each forward + backward of the same layer function:
+- ``ours dropless`` (``--moe-expert-kernel auto``: grouped GEMM on CUDA) and ``ours dropless, loop kernel``;
+- ``megatron-core SequentialMLP`` (the peer layer with our weights loaded, outputs checked against ours);
+- ``megatron-core GroupedMLP`` and ``megatron-core TE grouped`` when their packages import (random init:
+  timing only);
+- ``grouped GEMM floor``: the three grouped products of the experts alone on pre-sorted rows.
+Times are medians of interleaved rounds, each implementation timed between ``torch.cuda.synchronize`` calls.
+TFLOP/s counts the expert GEMMs only (fc1 and fc2, forward and the two backward products each: 12 T k H F), as a
+share of the card's dense bf16 peak when the card is known.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Callable, Dict, List, Optional
+
+import torch
+
+from ..config import MoEConfig
+from ..experts import GroupedExpertMM, offsets_from_counts
+from ..layer import MoELayer
+from .layer import CONFIGS, make_inputs, route
+
+DENSE_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0, "L40S": 362.0}   # vendor dense peaks
+
+
+def card_peak(name: str) -> Optional[float]:
+    for key, peak in DENSE_BF16_TFLOPS.items():
+        if key in name:
+            return peak
+    return None
+
+
+def _ours(x, wg, w1, w2, k, kernel, dtype, device):
+    E, H, F_ = w1.shape
+    cfg = MoEConfig(num_experts=E, top_k=k, gate="naive", aux_loss_coeff=0.0, expert_kernel=kernel)
+    layer = MoELayer(cfg, H, F_)
+    with torch.no_grad():
+        layer.gate.weight.copy_(wg); layer.experts.w1.copy_(w1); layer.experts.w2.copy_(w2)
+    layer = layer.to(device=device, dtype=dtype)
+    xin = x.to(device=device, dtype=dtype).requires_grad_()
+    grad = torch.ones_like(xin)
+
+    def step():
+        for p in layer.parameters():
+            p.grad = None
+        xin.grad = None
+        layer(xin).backward(grad)
+    return step, layer
+
+
+def _megatron(x, wg, w1, w2, k, dtype, device, grouped=False, te=False):
+    from ..megatron_adapter.peer import build_megatron_moe_layer, load_expert_weights, load_router_weight
+    E, H, F_ = w1.shape
+    layer = build_megatron_moe_layer(H, F_, E, k, dtype=torch.float32, grouped_gemm=grouped, use_te=te)
+    if not (grouped or te):
+        load_expert_weights(layer, w1, w2)
+    load_router_weight(layer, wg)
+    layer = layer.to(device=device, dtype=dtype)
+    xin = x.to(device=device, dtype=dtype).view(x.shape[0], 1, H).requires_grad_()
+    grad = torch.ones_like(xin)
+
+    def step():
+        for p in layer.parameters():
+            p.grad = None
+        xin.grad = None
+        out, _ = layer(xin)
+        out.backward(grad)
+    return step, layer
+
+
+def _floor(x, wg, w1, w2, k, dtype, device):
+    ids, _ = route(x, wg, k)
+    counts = torch.bincount(ids.reshape(-1), minlength=w1.shape[0]).to(device)
+    xs = x[torch.argsort(ids.reshape(-1), stable=True) // k].to(device=device, dtype=dtype).requires_grad_()
+    a, b = (t.to(device=device, dtype=dtype).requires_grad_() for t in (w1, w2))
+    offs = offsets_from_counts(counts)
+    grad = torch.ones_like(xs)
+
+    def step():
+        for p in (xs, a, b):
+            p.grad = None
+        GroupedExpertMM.apply(xs, a, b, None, None, offs, "gelu").backward(grad)
+    return step
+
+
+def time_synced(fns: Dict[str, Callable[[], None]], repeat: int) -> Dict[str, float]:
+    for fn in fns.values():
+        fn(); fn()
+    torch.cuda.synchronize()
+    times = {n: [] for n in fns}
+    for _ in range(repeat):
+        for n, fn in fns.items():
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            fn()
+            torch.cuda.synchronize()
+            times[n].append(time.perf_counter() - t)
+    return {n: statistics.median(v) for n, v in times.items()}
+
+
+def run_config(name: str, routing: str, repeat: int, dtype: torch.dtype, device) -> List[dict]:
+    c = CONFIGS[name]
+    H, F_, E, k, T = c["H"], c["F"], c["E"], c["k"], c["T"]
+    x, wg, w1, w2 = make_inputs(H, F_, E, k, T, routing)
+    impls, notes = {}, {}
+    impls["ours dropless"], ours = _ours(x, wg, w1, w2, k, "auto", dtype, device)
+    impls["ours dropless, loop kernel"], _ = _ours(x, wg, w1, w2, k, "loop", dtype, device)
+    impls["grouped GEMM floor"] = _floor(x, wg, w1, w2, k, dtype, device)
+    for label, kw in (("megatron-core SequentialMLP", {}), ("megatron-core GroupedMLP", {"grouped": True}),
+                      ("megatron-core TE grouped", {"grouped": True, "te": True})):
+        try:
+            step, mlayer = _megatron(x, wg, w1, w2, k, dtype, device, **kw)
+            if not kw:
+                with torch.no_grad():
+                    xd = x.to(device=device, dtype=dtype)
+                    err = float((mlayer(xd.view(T, 1, H))[0].view(T, H).float() - ours(xd).float()).abs().max()
+                                / ours(xd).float().abs().max())
+                notes[label] = f"output rel. diff vs ours {err:.1e}"
+            impls[label] = step
+        except Exception as e:              # a package that does not import, or a layout this version refuses
+            notes[label] = f"skipped: {type(e).__name__}: {str(e)[:120]}"
+    times = time_synced(impls, repeat)
+    flops = 12.0 * T * k * H * F_
+    peak = card_peak(torch.cuda.get_device_name(device))
+    rows = []
+    for n in list(impls) + [n for n in notes if n not in impls]:
+        t = times.get(n, float("nan"))
+        tf = flops / t / 1e12 if n in times else float("nan")
+        rows.append(dict(config=name, routing=routing, impl=n, time=t, tflops=tf,
+                         share=(tf / peak if peak else float("nan")), note=notes.get(n, "")))
+    return rows
+
+
+def format_table(rows: List[dict]) -> str:
+    out = ["| config | routing | implementation | time (ms) | expert TFLOP/s | share of dense bf16 peak | "
+           "SequentialMLP / this | note |", "|---|---|---|---:|---:|---:|---:|---|"]
+    for cfg, routing in dict.fromkeys((r["config"], r["routing"]) for r in rows):
+        group = [r for r in rows if r["config"] == cfg and r["routing"] == routing]
+        seq = next((r["time"] for r in group if r["impl"] == "megatron-core SequentialMLP"), float("nan"))
+        for r in group:
+            out.append(f"| {cfg} | {routing} | {r['impl']} | {r['time'] * 1e3:.2f} | {r['tflops']:.1f} | "
+                       f"{100 * r['share']:.0f}% | {seq / r['time']:.2f} | {r['note']} |")
+    return "\n".join(out)
+
+
+def targets(rows: List[dict]) -> List[str]:
+    lines = []
+    for cfg, routing in dict.fromkeys((r["config"], r["routing"]) for r in rows):
+        g = {r["impl"]: r for r in rows if r["config"] == cfg and r["routing"] == routing}
+        o = g["ours dropless"]["time"]
+        parts = []
+        seq = g.get("megatron-core SequentialMLP", {}).get("time", float("nan"))
+        if seq == seq:
+            parts.append(f"vs SequentialMLP {seq / o:.2f}x (>=1.2: {'met' if seq / o >= 1.2 else 'MISSED'})")
+        for label in ("megatron-core GroupedMLP", "megatron-core TE grouped"):
+            t = g.get(label, {}).get("time", float("nan"))
+            if t == t:
+                parts.append(f"vs {label} {t / o:.2f}x (>=0.9: {'met' if t / o >= 0.9 else 'MISSED'})")
+        lines.append(f"config {cfg} {routing}: " + ("; ".join(parts) or "no megatron-core peer ran"))
+    return lines
+
+
+def main(configs: List[str], routings: List[str], repeat: int, dtype_name: str, output: Optional[str]) -> List[dict]:
+    from .layer import emit_report
+    if not torch.cuda.is_available():
+        raise SystemExit("megamoe bench layer --device cuda: no CUDA device is visible to this process")
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype_name]
+    device = torch.device("cuda", torch.cuda.current_device())
+    rows = []
+    for name in configs:
+        for routing in routings:
+            rows += run_config(name, routing, repeat, dtype, device)
+    header = (f"{torch.cuda.get_device_name(device)}, {dtype_name}, median of {repeat} interleaved forward+backward "
+              f"rounds, one process (torch {torch.__version__}, CUDA {torch.version.cuda}). Measured on a GPU.")
+    emit_report([header, format_table(rows), "\n".join(targets(rows))], output)
+    return rows
