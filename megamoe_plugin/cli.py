@@ -155,7 +155,7 @@ def _fairseq_user_dir(argv: List[str]) -> int:
 
 
 def _trace(argv: List[str]) -> int:
-    from .inference import trace_cli
+    from . import trace_cli
     trace_cli.main(argv)
     return 0
 

@@ -12,6 +12,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Optional
 
+from .gate_registry import gate_class, registered_gates
+
 
 class ConfigError(ValueError):
     """An invalid MoE option; the message names the option (as a flag-style name) and the value."""
@@ -202,23 +204,19 @@ class MoEConfig:
             setattr(self, f.name, v)
 
     def validate(self):
-        from .gates import registered_gates  # late import: gates import this module
-
         def bad(name, msg):
             raise ConfigError(f"{flag(name)}={getattr(self, name)!r}: {msg}")
 
         if self.num_experts < 1:
             bad("num_experts", "must be >= 1")
-        if self.gate not in registered_gates():
+        gate_cls = gate_class(self.gate)
+        if gate_cls is None:
             bad("gate", f"unknown gate; known: {', '.join(sorted(registered_gates()))}")
         if self.top_k < 1:
             bad("top_k", "must be >= 1")
         if self.top_k > self.num_experts:
             bad("top_k", f"cannot exceed --moe-num-experts={self.num_experts}")
-        if self.gate == "switch" and self.top_k != 1:
-            bad("top_k", "the switch gate routes each token to 1 expert; use --moe-top-k=1")
-        if self.gate in ("gshard",) and self.top_k != 2:
-            bad("top_k", "the gshard gate is top-2; use --moe-top-k=2 (or the naive gate for other k)")
+        gate_cls.validate_config(self)                  # the gate's own rules (top-k, ...)
         for name in ("dispatch", "activation", "second_expert_policy", "cpu_gemm", "expert_kernel", "schedule", "nonfinite"):
             choices = _field(name).metadata["choices"]
             if getattr(self, name) not in choices:
@@ -313,7 +311,7 @@ class MoEConfig:
             bad("assignment_cache_min_epoch", "must be >= 0")
         if self.assignment_cache_positions < 0:
             bad("assignment_cache_positions", "must be >= 0 (0 = the trainer's sequence length)")
-        if self.gate in ("hir", "ta_moe") or self.topology:
+        if gate_cls.needs_topology or self.topology:
             try:
                 topo = self.build_topology()
             except ValueError as e:
@@ -379,11 +377,12 @@ class MoEConfig:
 
 def parse_gate_sync(text: str, gate: str = ""):
     """--moe-gate-sync: 'all' -> ('all', 0), 'local' -> ('local', 0), 'average:K' -> ('average', K); 'auto' is
-    local for the ta_moe gate (its per-rank targets cancel under averaged gradients; measured on the emulated
-    cluster, docs/topology-gates.md) and all for every other gate."""
+    the gate's own default (``default_gate_sync``: local for ta_moe, whose per-rank targets cancel under averaged
+    gradients, all for the others)."""
     t = str(text).strip().lower()
     if t == "auto":
-        return ("local", 0) if gate == "ta_moe" else ("all", 0)
+        cls = gate_class(gate)
+        return (getattr(cls, "default_gate_sync", "all"), 0)
     if t in ("all", "local"):
         return t, 0
     if t.startswith("average:"):

@@ -54,7 +54,7 @@ from .dynamic import DynamicRuntime, dynamic_enabled
 from .dynamic.assignment_cache import AssignmentCache
 from .dynamic.runtime import format_metrics as format_dynamic_metrics
 from .gates import gate_warnings
-from .gates.sync import GateSync, gather_rank_states, load_rank_state, local_grad_sq_norm, rank_state_for
+from .gate_sync import GateSync, gather_rank_states, load_rank_state, local_grad_sq_norm, rank_state_for
 from .inference.deploy import refuse_in_training
 from .notices import warn_once
 from .layer import collect_aux_loss, moe_layers

@@ -15,7 +15,7 @@ import torch
 
 from conftest import run_distributed
 from megamoe_plugin import train
-from megamoe_plugin.gates.sync import gate_params
+from megamoe_plugin.gate_sync import gate_params
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HELPERS = os.path.join(REPO, "tests", "helpers")

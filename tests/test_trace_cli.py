@@ -1,4 +1,4 @@
-"""`megamoe trace` (megamoe_plugin/inference/trace_cli.py): a trained checkpoint run over held-out text with its
+"""`megamoe trace` (megamoe_plugin/trace_cli.py): a trained checkpoint run over held-out text with its
 routing recorded (paper 004 Fig. 6 traces), for the three trainers' checkpoints.
 
 - core (`megamoe train --save`, a few steps here): the trace has one row per batch and MoE layer whose counts sum
@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from megamoe_plugin import train
-from megamoe_plugin.inference import trace_cli
+from megamoe_plugin import trace_cli
 from megamoe_plugin.stats import load_trace
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -202,7 +202,7 @@ def test_megatron_checkpoint_trace(tmp_path):
     assert p.returncode == 0, (p.stdout + p.stderr)[-3000:]
     out, png = str(tmp_path / "tr" / "mg"), str(tmp_path / "mg.png")
     # its own process: the trace initializes megatron's global parallel state
-    p = subprocess.run([sys.executable, "-m", "megamoe_plugin.inference.trace_cli", "--checkpoint",
+    p = subprocess.run([sys.executable, "-m", "megamoe_plugin.trace_cli", "--checkpoint",
                         str(tmp_path / "ck"), "--trainer", "megatron", "--out", out, "--batches", "3",
                         "--batch-size", "4", "--heatmap", png, "--megatron-args", " ".join(model_flags)],
                        env=_env(), capture_output=True, text=True, timeout=300, cwd=REPO)

@@ -670,7 +670,7 @@ def main(argv: Optional[List[str]] = None) -> dict:
         p.error("--device cuda: no CUDA device here")
     base_cfg = state = None
     if args.checkpoint:
-        from ..inference.trace_cli import load_core_checkpoint
+        from ..trace_cli import load_core_checkpoint
         model, base_cfg, margs = load_core_checkpoint(args.checkpoint)
         state = model.state_dict()
         s.update(hidden=margs["hidden"], heads=margs["heads"], layers=margs["layers"], ffn=margs["ffn_hidden"],

@@ -34,38 +34,10 @@ import torch.nn.functional as F
 from ..config import MoEConfig
 from ..cpu_alloc import retain_freed_memory
 from ..layer import MoELayer
+from .layer_inputs import CONFIGS, make_inputs, route
+from .report import emit_report
 
-CONFIGS = {
-    "1": dict(H=512, F=2048, E=8, k=2, T=4096),
-    "2": dict(H=256, F=1024, E=32, k=2, T=8192),
-    "3": dict(H=512, F=1024, E=64, k=1, T=8192),
-    "tiny": dict(H=64, F=128, E=8, k=2, T=512),
-}
-
-
-def make_inputs(H, F, E, k, T, routing: str, seed: int = 0):
-    """x, router weight and expert weights such that the router's top-k follows per-token preferences drawn
-    uniformly (balanced) or from Zipf(1.2) popularity (skewed): x = noise + decreasing multiples of the
-    preferred experts' (normalised) router rows."""
-    g = torch.Generator().manual_seed(seed)
-    pop = 1.0 / torch.arange(1, E + 1, dtype=torch.float64) ** (1.2 if routing == "skewed" else 0.0)
-    pref = torch.multinomial((pop / pop.sum()).expand(T, E), k, replacement=False, generator=g)   # [T, k]
-    wg = torch.randn(E, H, generator=g) / math.sqrt(H)
-    unit = wg / wg.norm(dim=1, keepdim=True) * math.sqrt(H)
-    x = torch.randn(T, H, generator=g)
-    for j in range(k):
-        x = x + (4.0 - j) * unit[pref[:, j]]
-    w1 = torch.randn(E, H, F, generator=g) * 0.02
-    w2 = torch.randn(E, F, H, generator=g) * 0.02
-    return x, wg, w1, w2
-
-
-def route(x, wg, k):
-    probs = torch.softmax(x @ wg.t(), -1)
-    top = torch.topk(probs, k, -1)
-    w = top.values / top.values.sum(-1, keepdim=True) if k > 1 else top.values
-    return top.indices, w
-
+__all__ = ["CONFIGS", "make_inputs", "route", "emit_report", "main"]
 
 # --- implementations: each returns a callable running one forward+backward, and its dispatch-buffer bytes --------
 def ours(x, wg, w1, w2, k, dispatch="dropless", cf=1.0, cpu_gemm="auto"):
@@ -332,13 +304,3 @@ def main(argv: Optional[List[str]] = None) -> List[dict]:
               f"implementation). Measured on this machine (torch {torch.__version__}).")
     emit_report([header, table, summary], args.output, separators=["\n", "\n\n"])
     return rows
-
-
-def emit_report(parts, output=None, separators=None):
-    """Print a benchmark report's parts (header, table, summary) and, with `output`, write them to that file
-    separated by blank lines."""
-    seps = separators or ["\n\n"] * (len(parts) - 1)
-    print("".join(p + sep for p, sep in zip(parts, seps + [""])), flush=True)
-    if output:
-        with open(output, "w") as f:
-            f.write("\n\n".join(parts) + "\n")

@@ -22,7 +22,8 @@ import torch
 from ..config import MoEConfig
 from ..experts import GroupedExpertMM, offsets_from_counts
 from ..layer import MoELayer
-from .layer import CONFIGS, make_inputs, route
+from .layer_inputs import CONFIGS, make_inputs, route
+from .report import emit_report
 
 DENSE_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0, "L40S": 362.0}   # vendor dense peaks
 
@@ -165,7 +166,6 @@ def targets(rows: List[dict]) -> List[str]:
 
 
 def main(configs: List[str], routings: List[str], repeat: int, dtype_name: str, output: Optional[str]) -> List[dict]:
-    from .layer import emit_report
     if not torch.cuda.is_available():
         raise SystemExit("megamoe bench layer --device cuda: no CUDA device is visible to this process")
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype_name]

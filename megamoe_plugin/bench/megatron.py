@@ -50,7 +50,8 @@ import torch
 import torch.nn.functional as F
 
 from ..cpu_alloc import retain_freed_memory
-from .layer import emit_report, make_inputs
+from .layer_inputs import make_inputs
+from .report import emit_report
 
 # S: sequence length, B: micro-batch size (T = S * B tokens), heads: attention heads
 CONFIGS = {

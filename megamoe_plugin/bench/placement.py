@@ -222,7 +222,7 @@ def beside_anchors(results: List[dict], measured: Optional[dict]) -> str:
 
 
 def main(argv: Optional[List[str]] = None) -> PlacementBenchResults:
-    from .layer import emit_report
+    from .report import emit_report
     from .placement_measured import add_arguments, report as measured_report, run_measured
     p = argparse.ArgumentParser(prog="megamoe bench placement", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)

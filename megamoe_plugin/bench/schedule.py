@@ -293,7 +293,7 @@ def _worker(rank: int, world: int, init_file: str, args: argparse.Namespace, res
 
 
 def main(argv: Optional[List[str]] = None) -> dict:
-    from .layer import emit_report
+    from .report import emit_report
     p = argparse.ArgumentParser(prog="megamoe bench schedule", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", default="comm", choices=sorted(CONFIGS))

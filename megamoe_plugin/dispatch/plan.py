@@ -11,15 +11,10 @@ in one place:
 - ``schedule == "smart"`` (FasterMoE paper 003 §4.2, dispatch/smart.py): a dropless call with expert parallelism
   runs dispatch + experts + combine as one pipelined grouped pairwise exchange (``run``); with one rank, or a
   capacity call, it is the plain path.
-- dynamic placement (``placement``, a ``placement.runtime.PlacementRuntime``): once experts are replicated,
-  moved or shadowed, the routing's logical ids become vExpert slot ids and the kept assignments go through the
-  dropless exchange (or the smart one) over slots; capacity, when used, has already decided in the gate which
-  assignments are kept. With the initial placement nothing changes.
-- DynaMoE (paper 000, ``dynamic/``): ``route`` is the gate call of both the core layer and the adapters' layers:
-  it reads a cached assignment when the model's assignment cache is on (``attach_dynamic``), meters the step's
-  per-expert demand for dynamic capacity (``capacity_meter``) and, after the combine (``finish``), refreshes the
-  cache with the gate's own choice; with ``expert_graph`` the capacity path's experts run as a static-shape graph
-  that ``recompile_graphs`` rebuilds when the capacities change.
+- features (dispatch/features.py) attach at fixed points of a call: before the gate (cached assignments), after
+  it (capacity metering), before the exchange (placement's logical experts -> vExpert slots: the kept assignments
+  then go through the dropless exchange, or the smart one, over slots), instead of the bank's call (static expert
+  graphs) and after the combine. The built-in ones are placement/ and dynamic/; this module imports neither.
 """
 from __future__ import annotations
 
@@ -33,70 +28,79 @@ from ..gates.base import Routing, capacity_from_factor
 from ..parallel import ExpertParallel
 from .capacity import CapacityDispatcher
 from .dropless import DroplessDispatcher
+from .features import LayerFeature, build_features
 from .smart import SmartDispatcher, schedule_groups
-from ..placement.runtime import PlacementRuntime, group_cache
-from ..dynamic.capacity import CapacityMeter
-from ..dynamic.static_graph import StaticExpertGraph
 
 
 class DispatchPlan:
     def __init__(self, cfg: MoEConfig, ep: ExpertParallel, topology=None, edp_group=None):
-        self.cfg, self.ep = cfg, ep
+        self.cfg, self.ep, self.edp_group = cfg, ep, edp_group
         self.dropless = DroplessDispatcher(cfg.num_experts, ep)
         self.capacity_dispatch = CapacityDispatcher(cfg.num_experts, ep)
         self.smart: Optional[SmartDispatcher] = None
         if cfg.schedule == "smart" and ep.enabled:
             self.smart = SmartDispatcher(cfg.num_experts, ep, schedule_groups(cfg, ep, topology))
         self.expert_capacity: Optional[List[int]] = None
-        self.placement: Optional[PlacementRuntime] = None
-        if not ep.layout_only:
-            self.placement = PlacementRuntime(cfg.num_experts, ep, cfg.slots_per_rank, edp_group=edp_group,
-                                              cache=group_cache(cfg.placement_group_cache))
-        self.capacity_meter = CapacityMeter(cfg.num_experts)
-        self.static_graph = StaticExpertGraph(cfg.expert_graph) if cfg.expert_graph != "none" else None
-        self.layer_id: Optional[int] = None
-        self.assignment_cache = None
+        self.features: List[LayerFeature] = build_features(self)
 
-    # --- DynaMoE: the gate call, assignment caching, metering -------------------------------------------------------
-    def attach_dynamic(self, layer_id: int, cache=None) -> None:
-        """Called by ``dynamic.runtime.DynamicRuntime``: this layer's global id and the model's assignment cache."""
-        self.layer_id, self.assignment_cache = layer_id, cache
+    def feature(self, name: str) -> Optional[LayerFeature]:
+        """The attached feature registered under ``name`` (None when absent)."""
+        return next((f for f in self.features if f.name == name), None)
 
+    # shortcuts to the built-in features' state (None when the feature is not attached)
+    @property
+    def placement(self):
+        f = self.feature("placement")
+        return None if f is None else f.runtime
+
+    @property
+    def capacity_meter(self):
+        f = self.feature("dynamic")
+        return None if f is None else f.meter
+
+    @property
+    def static_graph(self):
+        f = self.feature("dynamic")
+        return None if f is None else f.static_graph
+
+    # --- one call: the features' hooks at their fixed points ----------------------------------------------------
     def route(self, gate, tokens: torch.Tensor, training: bool, keys_shape=None, select=None):
-        """The layer's gate call: (routing, capacity, token keys or None). `keys_shape`: the layer input's shape
-        without the hidden dim (how the assignment cache's batch keys are laid out); `select`: indices of the
-        tokens of that shape this call routes (fairseq drops padding)."""
+        """The layer's gate call: (routing, capacity, feature keys). `keys_shape`: the layer input's shape
+        without the hidden dim; `select`: indices of the tokens of that shape this call routes (fairseq drops
+        padding). A feature may hand the gate the expert ids to route by (DynaMoE's cached assignments)."""
         capacity = self.capacity_for(tokens.shape[0], training)
-        keys, assigned = None, None
-        cache = self.assignment_cache
-        if cache is not None and training and keys_shape is not None:
-            keys = cache.token_keys(keys_shape, tokens.device)
-            if keys is not None and select is not None:
-                keys = (keys[0].index_select(0, select), keys[1].index_select(0, select), keys[2])
-            if keys is not None and cache.active and keys[2] and self.layer_id in cache.tables:
-                assigned = cache.lookup(self.layer_id, keys[0])
-                cache.cached_calls += 1
+        assigned, keys = None, {}
+        for f in self.features:
+            ids, k = f.assigned(tokens, training, keys_shape, select)
+            if k is not None:
+                keys[f.name] = k
+            if ids is not None:
+                assigned = ids
         routing = gate(tokens, capacity=capacity, assigned=assigned)
-        if training:
-            self.capacity_meter.record(routing, capacity)
+        for f in self.features:
+            f.routed(routing, capacity, training)
         return routing, capacity, keys
 
     def finish(self, routing: Routing, keys) -> None:
-        """After the combine: wait for the gate's side stream; refresh the assignment cache (training)."""
+        """After the combine: wait for the gate's side stream; the features' last hook."""
         routing.join()
-        if keys is not None:
-            self.assignment_cache.observe(self.layer_id, keys[0], keys[1], routing.chosen_ids)
+        for f in self.features:
+            f.finished(routing, (keys or {}).get(f.name))
 
-    def run_experts(self, experts, expert_in: torch.Tensor, tokens_per_expert: List[int], capacity) -> torch.Tensor:
-        """The experts on dispatched tokens; a capacity call with ``expert_graph`` runs the static-shape graph."""
-        if self.static_graph is not None and capacity is not None:
-            return self.static_graph(experts, expert_in, tokens_per_expert)
+    def run_experts(self, experts, expert_in: torch.Tensor, tokens_per_expert, capacity) -> torch.Tensor:
+        """The experts on dispatched tokens (or a feature's replacement: a static-shape graph)."""
+        for f in self.features:
+            y = f.run_experts(experts, expert_in, tokens_per_expert, capacity)
+            if y is not None:
+                return y
         return experts(expert_in, tokens_per_expert)
 
     def recompile_graphs(self) -> None:
-        """The capacities changed: rebuild the static-shape expert graph for the new shapes (weights untouched)."""
-        if self.static_graph is not None:
-            self.static_graph.recompile()
+        """The capacities changed: features that compiled for the old shapes rebuild (weights untouched)."""
+        for f in self.features:
+            recompile = getattr(f, "recompile", None)
+            if recompile is not None:
+                recompile()
 
     def set_expert_capacity(self, capacity: Optional[Sequence[int]]) -> None:
         """Fix each expert's capacity (per source rank), or None to go back to the capacity factor."""
@@ -129,7 +133,7 @@ class DispatchPlan:
                  ) -> Tuple[torch.Tensor, List[int], tuple]:
         """tokens [T, H] -> (expert input sorted by local expert, tokens per local expert, handle for combine)."""
         slots = self._slot_routing(routing)
-        if slots is not routing:
+        if slots is not None:              # experts moved / replicated / shadowed: dropless over the slots
             expert_in, tokens_per_expert, state = self.dropless.dispatch(tokens, slots)
             return expert_in, tokens_per_expert, (self.dropless, state)
         if capacity is None:
@@ -149,7 +153,8 @@ class DispatchPlan:
 
     def run_smart(self, tokens: torch.Tensor, routing: Routing, experts) -> torch.Tensor:
         routing.join()
-        return self.smart.forward(tokens, self._slot_routing(routing), experts)
+        slots = self._slot_routing(routing)
+        return self.smart.forward(tokens, routing if slots is None else slots, experts)
 
     def run(self, tokens: torch.Tensor, routing: Routing, capacity: Optional[List[int]], training: bool,
             experts) -> torch.Tensor:

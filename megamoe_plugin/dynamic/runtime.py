@@ -66,7 +66,7 @@ class DynamicRuntime:
         self.cache = cache if cfg.assignment_cache else None
         self.cache_policy = CachePolicy.from_config(cfg) if self.cache is not None else None
         for lid, layer in self.layers.items():
-            layer.plan.attach_dynamic(lid, self.cache)
+            layer.plan.feature("dynamic").attach(lid, self.cache)
         rows = torch.tensor([max(self.layers, default=-1) + 1], dtype=torch.float64, device=self.device)
         if self._distributed:
             dist.all_reduce(rows, op=dist.ReduceOp.MAX, group=group)

@@ -143,7 +143,7 @@ def clip_grad_norm_(params, max_norm, aggregate_norm_fn=None, fallback=None) -> 
     if ep_group is not None:
         dist.all_reduce(expert_sq, group=ep_group)
     if gates:           # local gates: the mean over ranks of each rank's own share, identical everywhere
-        from ..gates.sync import local_grad_sq_norm
+        from ..gate_sync import local_grad_sq_norm
         expert_sq = expert_sq + local_grad_sq_norm(gates, dist.group.WORLD).to(expert_sq)
     total = torch.sqrt(shared_norm.float() ** 2 + expert_sq)
     if max_norm > 0:

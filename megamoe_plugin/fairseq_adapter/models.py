@@ -26,7 +26,7 @@ from fairseq.utils import safe_getattr
 import torch.distributed as dist
 
 from ..config import ConfigError, MoEConfig
-from ..gates.sync import gate_params
+from ..gate_sync import gate_params
 from . import distributed as moe_dist
 from .args import add_moe_args, config_from_fairseq, fill_moe_defaults, moe_dataclass, moe_freq
 from .layers import install_moe

@@ -40,7 +40,7 @@ from ..placement.checkpoint import logical_from_gathered
 from ..stats import TraceRecorder
 from . import distributed as moe_dist
 from .args import check_trainer_settings
-from ..gates.sync import GateSync, gather_rank_states, load_rank_state, rank_state_for
+from ..gate_sync import GateSync, gather_rank_states, load_rank_state, rank_state_for
 from .dynamic import STATE_KEY as _DYNAMIC_KEY
 from .dynamic import FairseqDynamic
 from .layers import FairseqMoEFFN, gather_experts, moe_ffns, release_gathered

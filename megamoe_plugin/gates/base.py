@@ -88,9 +88,23 @@ class Gate(nn.Module):
         self.topology = topology
         self.weight = nn.Parameter(torch.empty(cfg.num_experts, hidden_size))
         nn.init.normal_(self.weight, std=cfg.init_std)
-        self.weight.megamoe_gate = True          # found by gates.sync (--moe-gate-sync local / average:K)
+        self.weight.megamoe_gate = True          # found by gate_sync.py (--moe-gate-sync local / average:K)
 
-    # --- to implement --------------------------------------------------------------------------------------------
+    # --- the gate's rules, asked before any model exists ------------------------------------------------------
+    fixed_top_k: Optional[int] = None       # the only top-k this gate routes with (None: any)
+    needs_topology = False                  # its routing reads the job's topology (nodes, link bandwidths)
+    default_gate_sync = "all"               # what --moe-gate-sync auto means for this gate
+
+    @classmethod
+    def validate_config(cls, cfg: MoEConfig) -> None:
+        """Raise ``ConfigError`` (naming the flag) for options this gate cannot work with; no topology, no
+        environment (``MoEConfig.validate`` calls it)."""
+        from ..config import ConfigError, flag
+        if cls.fixed_top_k is not None and cfg.top_k != cls.fixed_top_k:
+            raise ConfigError(f"{flag('top_k')}={cfg.top_k!r}: the {cfg.gate} gate routes each token to "
+                              f"{cls.fixed_top_k} expert(s); use {flag('top_k')}={cls.fixed_top_k} (or the naive "
+                              f"gate for other k)")
+
     @classmethod
     def check_options(cls, cfg: MoEConfig, topology) -> List[str]:
         """Before any model exists: raise ``ConfigError`` (naming the flag) for settings this gate cannot work

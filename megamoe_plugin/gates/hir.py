@@ -23,6 +23,8 @@ from .registry import register_gate
 
 @register_gate("hir")
 class HirGate(Gate):
+    needs_topology = True
+
     def __init__(self, cfg, hidden_size, ep=None, topology=None):
         super().__init__(cfg, hidden_size, ep=ep, topology=topology)
         topo = topology or cfg.build_topology()

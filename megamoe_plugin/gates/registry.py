@@ -10,24 +10,9 @@ Users extend it from their own code (import the module before building the confi
 """
 from __future__ import annotations
 
-from typing import Callable, Dict, Type
+from ..gate_registry import _GATES, gate_class, register_gate, registered_gates
 
-_GATES: Dict[str, type] = {}
-
-
-def register_gate(name: str) -> Callable[[Type], Type]:
-    def deco(cls):
-        if name in _GATES and _GATES[name] is not cls:
-            raise ValueError(f"gate {name!r} is already registered by {_GATES[name].__qualname__}")
-        _GATES[name] = cls
-        cls.gate_name = name
-        return cls
-
-    return deco
-
-
-def registered_gates() -> Dict[str, type]:
-    return dict(_GATES)
+__all__ = ["register_gate", "registered_gates", "gate_class", "gate_warnings", "build_gate"]
 
 
 def gate_warnings(cfg, topology=None):

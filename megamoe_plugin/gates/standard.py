@@ -25,9 +25,13 @@ class NaiveGate(Gate):
 class SwitchGate(NaiveGate):
     """Top-1; the jitter and the balance loss come from the base class (jitter_eps, aux_loss_coeff)."""
 
+    fixed_top_k = 1
+
 
 @register_gate("gshard")
 class GShardGate(Gate):
+    fixed_top_k = 2
+
     def select(self, logits, probs):
         top2 = torch.topk(probs, 2, dim=-1)
         ids = top2.indices

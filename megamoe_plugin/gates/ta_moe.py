@@ -75,6 +75,11 @@ def _water_fill(alpha: torch.Tensor, beta: torch.Tensor, total: float) -> torch.
 class TopologyAwareGate(Gate):
     """Top-k gate whose balance loss steers the dispatch pattern toward c_hat (the topology's optimum)."""
 
+    needs_topology = True
+    # each rank's loss has its own target; averaged gradients cancel them (measured on the emulated cluster,
+    # docs/topology-gates.md), so by default every rank's gate learns from its own gradient
+    default_gate_sync = "local"
+
     def __init__(self, cfg, hidden_size, ep=None, topology=None):
         super().__init__(cfg, hidden_size, ep=ep, topology=topology)
         topo = topology or cfg.build_topology()

@@ -99,7 +99,7 @@ def save(root: str, iteration: int, model, optimizer, scheduler, tracker_states:
     if dynamic is not None:
         extra["dynamic"] = dynamic.state_dict()
     if local_gates:                     # --moe-plugin-gate-sync local / average:K: this rank's gate is its own
-        from ..gates.sync import rank_state
+        from ..gate_sync import rank_state
         extra["gates"] = rank_state([model.module], optimizer)
     model_sd = model.module.sharded_state_dict()
     dist_checkpointing.save({"model": model_sd, "optimizer": optimizer.sharded_state_dict(model_sd)}, path)
@@ -163,7 +163,7 @@ def load(root: str, model, optimizer, scheduler, set_tracker: Callable[[dict], N
         if merged is not None:
             dynamic.load_state_dict(merged)
     if local_gates:                     # this rank's own gate, or (a new rank) the mean of the saved ones
-        from ..gates.sync import load_rank_state, rank_state_for
+        from ..gate_sync import load_rank_state, rank_state_for
         gates = [s.get("gates") for s in _extra_states(path)]
         if gates and all(g for g in gates):
             load_rank_state([model.module], rank_state_for(gates, rank, dist.get_world_size()), optimizer)

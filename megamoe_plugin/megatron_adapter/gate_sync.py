@@ -1,4 +1,4 @@
-"""``--moe-plugin-gate-sync local | average:K`` in Megatron (gates.sync explains what the modes mean).
+"""``--moe-plugin-gate-sync local | average:K`` in Megatron (gate_sync.py explains what the modes mean).
 
 Megatron's DDP reduces every dense gradient over the data-parallel group inside ``finalize_model_grads``; its
 optimizer then clips by a norm it computes from ``get_main_grads_for_grad_norm``. For rank-local gates:
@@ -9,7 +9,7 @@ optimizer then clips by a norm it computes from ``get_main_grads_for_grad_norm``
 * ``identical_clip_norm(optimizer)``: in the optimizer's norm, every gate gradient stands in scaled so that the
   gates' share is the mean over data-parallel ranks of each rank's own: every rank clips by the same coefficient
   and the other, replicated, parameters stay identical;
-* ``average`` every K steps: ``gates.sync.average_params`` over the data-parallel group, on the gate parameters
+* ``average`` every K steps: ``gate_sync.average_params`` over the data-parallel group, on the gate parameters
   and on their fp32 master copies when the optimizer keeps one.
 
 The distributed optimizer (its shards are all-gathered after the step, overwriting every rank's gate with one
@@ -23,7 +23,7 @@ from typing import Callable, List
 import torch
 import torch.distributed as dist
 
-from ..gates.sync import gate_params, local_grad_sq_norm
+from ..gate_sync import gate_params, local_grad_sq_norm
 
 
 def _dp_group():
@@ -93,7 +93,7 @@ def identical_clip_norm(model, optimizer) -> int:
 @torch.no_grad()
 def average_gates(model, optimizer) -> None:
     """Average the gates (and their fp32 master copies) over the data-parallel group. Collective."""
-    from ..gates.sync import average_params
+    from ..gate_sync import average_params
     from ..placement.optim_state import param_state_tensors
 
     tensors = []

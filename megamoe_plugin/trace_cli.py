@@ -45,9 +45,9 @@ from typing import Iterator, List, Optional, Tuple
 
 import torch
 
-from ..config import MoEConfig
-from ..layer import MoELayer, moe_layers
-from ..stats import TraceRecorder, load_trace
+from .config import MoEConfig
+from .layer import MoELayer, moe_layers
+from .stats import TraceRecorder, load_trace
 
 __all__ = ["TRAINERS", "inference_config", "load_core_checkpoint", "load_fairseq_checkpoint",
            "load_megatron_checkpoint", "trace_model", "write_heatmap", "summarize", "main"]
@@ -77,8 +77,8 @@ def inference_config(d: dict, **overrides) -> MoEConfig:
 def load_core_checkpoint(path: str, **cfg_overrides) -> Tuple[torch.nn.Module, MoEConfig, dict]:
     """(TinyMoEGPT in eval mode with every expert, its inference MoEConfig, the checkpoint's model_args plus the
     training run's ``corpus_bytes`` and ``seed``, None where the checkpoint lacks them)."""
-    from ..models import TinyMoEGPT
-    from .. import train_checkpoint as checkpoints
+    from .models import TinyMoEGPT
+    from . import train_checkpoint as checkpoints
 
     try:
         states = checkpoints.read_expert_group(checkpoints.resolve(path))
@@ -111,7 +111,7 @@ def load_fairseq_checkpoint(path: str, data: Optional[str] = None):
         from fairseq import checkpoint_utils
     except ImportError as err:
         raise CheckpointError(f"--trainer fairseq needs fairseq installed ({err})") from None
-    from ..fairseq_adapter import register  # noqa: F401  (models, architectures, criteria)
+    from .fairseq_adapter import register  # noqa: F401  (models, architectures, criteria)
 
     overrides = {"data": data} if data else {}
     models, _, task = checkpoint_utils.load_model_ensemble_and_task([path], arg_overrides=overrides)
@@ -153,7 +153,7 @@ def load_megatron_checkpoint(path: str, megatron_args: List[str]):
         raise CheckpointError("--trainer megatron traces the plugin's MoE layers: --megatron-args must include "
                               "--moe-plugin (as the training run did)")
     iter_dir = _megatron_iter_dir(path)
-    from ..megatron_adapter import trainer as ex
+    from .megatron_adapter import trainer as ex
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
         os.environ.pop(var, None)
     args = ex.parse_args(list(megatron_args))
@@ -187,7 +187,7 @@ def windows(tokens: torch.Tensor, batch_size: int, seq_len: int, batches: int) -
 def _sinks(model, trainer: str) -> list:
     """The StatsSinks the model's MoE layers record into (the recorder listens to them)."""
     if trainer == "megatron":
-        from ..megatron_adapter.layer import PluginMoELayer, plugin_stats
+        from .megatron_adapter.layer import PluginMoELayer, plugin_stats
         if not any(isinstance(m, PluginMoELayer) for m in model.modules()):
             raise CheckpointError("the Megatron model has no plugin MoE layer (train with --moe-plugin)")
         return [plugin_stats()]
@@ -338,7 +338,7 @@ def _main(argv: Optional[List[str]] = None) -> dict:
         p.error("--trainer megatron: pass the training run's model flags with --megatron-args (its checkpoints do "
                 "not store them)")
     torch.set_num_threads(args.threads or len(os.sched_getaffinity(0)))
-    from ..data import build_corpus
+    from .data import build_corpus
 
     try:
         if args.trainer == "core":

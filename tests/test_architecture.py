@@ -1,0 +1,157 @@
+"""The package's layering, checked on its source: every import, deferred ones inside functions included.
+
+    core      config, gate_registry, topology, parallel, notices, stats, cpu_alloc, gates/, dispatch/, experts/,
+              layer, models/, data/
+    features  placement/, dynamic/, inference/, perfmodel/, gate_sync
+    adapters  megatron_adapter/, fairseq_adapter/, train, train_checkpoint, cluster/
+    tools     cli, trace_cli, bench/, reproduce/
+
+A module may import its own layer and the layers below it, never a layer above; no import cycle between modules;
+the dispatch core imports no feature (features plug into it, dispatch/features.py); the config imports no gate."""
+import ast
+import os
+from collections import defaultdict
+
+import pytest
+
+PKG = "megamoe_plugin"
+ROOT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), PKG)
+LAYERS = {
+    "core": ["config", "gate_registry", "topology", "parallel", "notices", "stats", "cpu_alloc", "gates", "dispatch",
+             "experts", "layer", "models", "data", "__init__"],
+    "features": ["placement", "dynamic", "inference", "perfmodel", "gate_sync"],
+    "adapters": ["megatron_adapter", "fairseq_adapter", "train", "train_checkpoint", "cluster"],
+    "tools": ["cli", "trace_cli", "bench", "reproduce"],
+}
+ORDER = list(LAYERS)
+
+
+def _modules():
+    out = {}
+    for dirpath, _, files in os.walk(ROOT):
+        for name in files:
+            if name.endswith(".py"):
+                path = os.path.join(dirpath, name)
+                rel = os.path.relpath(path, os.path.dirname(ROOT))[:-3].replace(os.sep, ".")
+                out[rel[:-len(".__init__")] if rel.endswith(".__init__") else rel] = path
+    return out
+
+
+MODULES = _modules()
+
+
+def _imports(module, path):
+    """Project modules imported anywhere in the file (top level, functions, classes, try blocks)."""
+    is_pkg = path.endswith("__init__.py")
+    base = module.split(".") if is_pkg else module.split(".")[:-1]
+    with open(path) as f:
+        tree = ast.parse(f.read(), path)
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                parent = base[:len(base) - node.level + 1]
+                prefix = ".".join(parent + ([node.module] if node.module else []))
+            else:
+                prefix = node.module or ""
+            names = [f"{prefix}.{a.name}" for a in node.names] + [prefix]
+        else:
+            continue
+        for name in names:
+            while name and name not in MODULES:
+                name = name.rpartition(".")[0]
+            if name.startswith(PKG + ".") and name != module:
+                found.add(name)
+    return found
+
+
+GRAPH = {m: _imports(m, p) for m, p in MODULES.items()}
+
+
+def _layer(module):
+    top = module.split(".")[1] if "." in module else "__init__"
+    for layer, tops in LAYERS.items():
+        if top in tops:
+            return layer
+    raise AssertionError(f"{module}: not assigned to a layer in tests/test_architecture.py")
+
+
+def test_every_module_has_a_layer():
+    for m in MODULES:
+        _layer(m)
+
+
+def test_no_module_imports_a_higher_layer():
+    bad = []
+    for m, deps in GRAPH.items():
+        if m == PKG:
+            continue                 # the package's __init__ exports the core API
+        for d in deps:
+            if d != PKG and ORDER.index(_layer(d)) > ORDER.index(_layer(m)):
+                bad.append(f"{m} ({_layer(m)}) imports {d} ({_layer(d)})")
+    assert not bad, "\n".join(sorted(bad))
+
+
+def test_dispatch_imports_no_feature_and_config_no_gate():
+    for m, deps in GRAPH.items():
+        if m.startswith(f"{PKG}.dispatch"):
+            assert not [d for d in deps if d.startswith((f"{PKG}.placement", f"{PKG}.dynamic"))], m
+    assert not [d for d in GRAPH[f"{PKG}.config"] if d.startswith(f"{PKG}.gates")]
+
+
+def _cycles():
+    """Strongly connected components of more than one module (Tarjan), package inits' re-exports excluded:
+    ``from .sub import x`` inside a package's own __init__ is how a package exposes its parts."""
+    edges = {m: {d for d in deps if not (MODULES[m].endswith("__init__.py") and d.startswith(m + "."))
+                 and not d == PKG} for m, deps in GRAPH.items()}
+    index, low, stack, on, out = {}, {}, [], set(), []
+    counter = [0]
+
+    def visit(v):
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on.add(v)
+        for w in edges.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    import sys
+    sys.setrecursionlimit(10000)
+    for v in edges:
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_no_import_cycles():
+    cycles = _cycles()
+    assert not cycles, "\n".join(" <-> ".join(c) for c in cycles)
+
+
+def test_the_checker_sees_deferred_imports(tmp_path):
+    # the contract must fail on an import hidden inside a function
+    src = tmp_path / "m.py"
+    src.write_text("def f():\n    from megamoe_plugin.placement import runtime\n")
+    found = _imports(f"{PKG}.dispatch.m", str(src))
+    assert f"{PKG}.placement.runtime" in found
+
+
+@pytest.mark.parametrize("module", [f"{PKG}.dispatch.plan", f"{PKG}.layer"])
+def test_core_hot_path_modules_exist(module):
+    assert module in MODULES
