@@ -18,7 +18,7 @@ gradients are the plain path's.
 """
 from __future__ import annotations
 
-from typing import List, Optional, Sequence
+from typing import List, Optional, Protocol, Sequence, runtime_checkable
 
 import torch
 import torch.nn as nn
@@ -106,8 +106,31 @@ class MoELayer(nn.Module):
         return y.view(shape)
 
 
+@runtime_checkable
+class MoELayerProtocol(Protocol):
+    """What every MoE layer of this project is to the features and tools, whichever trainer built it: the core
+    ``MoELayer`` (also inside fairseq's ``FairseqMoEFFN``) and Megatron's ``PluginMoELayer``."""
+
+    plan: DispatchPlan                          # the dispatch core it runs, with the features attached to it
+    layer_id: int                               # the id traces, placement files and checkpoints use
+
+    @property
+    def experts_bank(self) -> ExpertBank: ...
+
+    def set_expert_capacity(self, capacity: Optional[Sequence[int]]) -> None: ...
+
+
+def find_moe_layers(model) -> List[MoELayerProtocol]:
+    """The MoE layers of a model, or of a list of model chunks (Megatron's virtual pipeline), in model order;
+    through any wrapper (DDP, Float16Module, fairseq's FairseqMoEFFN). The one finder every feature and adapter
+    uses."""
+    chunks = model if isinstance(model, (list, tuple)) else [model]
+    return [m for c in chunks for m in c.modules() if isinstance(m, MoELayerProtocol)]
+
+
 def moe_layers(model: nn.Module) -> List[MoELayer]:
-    return [m for m in model.modules() if isinstance(m, MoELayer)]
+    """The core MoELayers of a model (the ones that carry ``aux_loss``); ``find_moe_layers`` for every kind."""
+    return [m for m in find_moe_layers(model) if isinstance(m, MoELayer)]
 
 
 def collect_aux_loss(model: nn.Module) -> torch.Tensor:

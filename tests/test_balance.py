@@ -253,7 +253,7 @@ def test_permutation_on_megatron_layer():
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.spec_utils import build_module
     from megatron.core.transformer.transformer_config import TransformerConfig
-    from megamoe_plugin.inference.balance import find_moe_layers
+    from megamoe_plugin.inference.balance import moe_layers_by_id
     from megamoe_plugin.megatron_adapter.args import config_from_megatron
     from megamoe_plugin.megatron_adapter.peer import ensure_megatron_parallel_state
     from megamoe_plugin.megatron_adapter.spec import moe_plugin_spec
@@ -268,7 +268,7 @@ def test_permutation_on_megatron_layer():
     layer = build_module(moe_plugin_spec(get_gpt_layer_local_spec(num_experts=4), cfg).submodules.mlp, config=tc)
     layer.set_layer_number(2)
     layer.eval()
-    assert list(find_moe_layers(torch.nn.ModuleList([layer]))) == [2]
+    assert list(moe_layers_by_id(torch.nn.ModuleList([layer]))) == [2]
     x = torch.randn(5, 2, 16)
     with torch.no_grad():
         y0, _ = layer(x)

@@ -59,7 +59,7 @@ __all__ = ["PLACEMENT_SCHEMA", "PlacementFileError", "PlacementFile", "layer_loa
            "identity_placement", "greedy_placement", "anticorrelation_placement", "device_shares", "max_load",
            "avg_max_load", "evaluate_placements", "placement_to_perm", "perm_to_placement",
            "write_placement_file", "read_placement_file", "apply_expert_permutation", "apply_placement_file",
-           "find_moe_layers"]
+           "moe_layers_by_id"]
 
 PLACEMENT_SCHEMA = "megamoe-placement/1"
 FLAG = "--moe-placement-file"
@@ -429,20 +429,14 @@ def apply_expert_permutation(layer: nn.Module, perm: Sequence[int]) -> None:
             cache.tables[lid] = torch.where(ids >= 0, inverse.to(t.device)[ids.clamp_min(0)], ids).to(t.dtype)
 
 
-def find_moe_layers(model: nn.Module) -> Dict[int, nn.Module]:
-    """{layer id: layer} of the model's MoE layers: core ``MoELayer`` (``layer_id``) and Megatron's plugin layer
-    (``layer_number``), the ids a routing trace records."""
-    from ..layer import MoELayer
+def moe_layers_by_id(model: nn.Module) -> Dict[int, nn.Module]:
+    """{layer id: layer} of the model's MoE layers (``layer.find_moe_layers``), the ids a routing trace records."""
+    from ..layer import find_moe_layers
 
     out = {}
-    for m in model.modules():
-        if isinstance(m, MoELayer):
-            lid = m.layer_id
-        elif hasattr(m, "router") and hasattr(getattr(m, "experts", None), "bank") and hasattr(m, "plan"):
-            lid = getattr(m, "layer_number", None)
-            if lid is None:
-                continue
-        else:
+    for m in find_moe_layers(model):
+        lid = m.layer_id
+        if lid is None:
             continue
         if lid in out and out[lid] is not m:
             raise ValueError(f"two MoE layers report layer id {lid}; cannot apply a placement by layer id")
@@ -454,7 +448,7 @@ def apply_placement_file(model: nn.Module, placement, strict: bool = True) -> Li
     """Apply a placement file (path or ``PlacementFile``) to every MoE layer of `model` it names; returns the layer
     ids permuted. `strict`: a layer id of the file that the model does not have is an error (pipeline stages hold
     only some layers: pass strict=False there)."""
-    layers = find_moe_layers(model)
+    layers = moe_layers_by_id(model)
     if not isinstance(placement, PlacementFile):
         path = os.fspath(placement)
         E = {_parts(l)[0].num_experts for l in layers.values()}

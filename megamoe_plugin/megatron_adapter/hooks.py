@@ -38,6 +38,7 @@ import torch.distributed as dist
 from ..config import MoEConfig
 from ..placement import AfterStepHook
 from ..stats import TraceRecorder
+from ..layer import find_moe_layers
 from .layer import PluginMoELayer, plugin_stats
 from ..dynamic.runtime import DynamicRuntime, dynamic_enabled
 from .metrics import collect_layer_metrics, write_dynamic_metrics, write_layer_metrics, write_placement_metrics
@@ -45,8 +46,7 @@ from .metrics import collect_layer_metrics, write_dynamic_metrics, write_layer_m
 
 def plugin_layers(model) -> List[PluginMoELayer]:
     """The PluginMoELayers of a model or a list of model chunks (Megatron wraps them: DDP, Float16Module)."""
-    chunks = model if isinstance(model, (list, tuple)) else [model]
-    return [m for c in chunks for m in c.modules() if isinstance(m, PluginMoELayer)]
+    return [m for m in find_moe_layers(model) if isinstance(m, PluginMoELayer)]
 
 
 class PluginStepHooks:

@@ -267,6 +267,11 @@ class PluginMoELayer(MegatronMoELayer):
     def experts_bank(self) -> ExpertBank:
         return self.experts.bank
 
+    @property
+    def layer_id(self):
+        """Megatron's layer number (set when the block is built): the id traces and placement files use."""
+        return self.layer_number
+
     # --- forward -----------------------------------------------------------------------------------------------
     def _attach_aux_losses(self, routing: Routing, num_tokens: int) -> None:
         if not routing.aux_losses:

@@ -23,6 +23,7 @@ from typing import Any, Callable, Dict, List, Optional
 import torch.nn as nn
 
 from ..config import ConfigError, MoEConfig, flag
+from ..layer import find_moe_layers
 
 _POLICIES: Dict[str, Callable[[MoEConfig], Callable]] = {}
 
@@ -100,7 +101,3 @@ class AfterStepHook:
         return True
 
 
-def find_moe_layers(model) -> List[nn.Module]:
-    """Modules that own a DispatchPlan (core MoELayer and the adapters' layers), in model order."""
-    models = model if isinstance(model, (list, tuple)) else [model]
-    return [m for mod in models for m in mod.modules() if hasattr(m, "plan") and hasattr(m, "set_expert_capacity")]
