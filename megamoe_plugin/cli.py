@@ -34,7 +34,7 @@ def _option_rows(trainer: str = "core"):
     branch names where the meaning is the same, else --moe-*)."""
     rows = []
     if trainer == "fairseq":
-        from .fairseq_adapter.args import DERIVED, fairseq_flag, moe_fields
+        from .fairseq_adapter.args import DERIVED, moe_fields
         for dest, typ, f in moe_fields():
             rows.append(("--" + dest.replace("_", "-"), typ.__name__, repr(f.default), f.metadata["help"]))
         for name, source in DERIVED.items():

@@ -10,7 +10,6 @@ A module may import its own layer and the layers below it, never a layer above; 
 the dispatch core imports no feature (features plug into it, dispatch/features.py); the config imports no gate."""
 import ast
 import os
-from collections import defaultdict
 
 import pytest
 

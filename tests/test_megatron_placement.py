@@ -13,7 +13,6 @@ Routing is deterministic here (gshard with ``--moe-plugin-second-expert-policy a
 runs at different expert-parallel sizes route the same tokens to the same experts.
 """
 import math
-import os
 import re
 
 import pytest

@@ -79,7 +79,6 @@ def _equivalence(rank, world, steps, out_dir, extra=None):
     extra = extra or {}
     ref = MoELayer(_cfg(world, **extra), H, F, ep_group=dist.group.WORLD)
     moved = MoELayer(_cfg(world, placement_spare_slots=2, **extra), H, F, ep_group=dist.group.WORLD)
-    El = 2
     with torch.no_grad():
         for (n, p), q in zip(ref.named_parameters(), moved.parameters()):
             q[:p.shape[0]].copy_(p) if n.startswith("experts.") else q.copy_(p)
@@ -235,7 +234,8 @@ def _policy_run(rank, world, policy, profile):
         l_mov = _train_step(moved, opt_mov, x, target)
         assert torch.allclose(l_ref, l_mov, rtol=1e-5, atol=1e-6), (step, l_ref.item(), l_mov.item())
         assert hook.run(moved, opt_mov, step + 1)
-        first = first if step else dict(hook.policy.metrics)
+        if step == 0:
+            first = dict(hook.policy.metrics)
         ever_shadowed.update(moved.plan.placement.shadowed)
     m = hook.policy.metrics
     assert set(m) >= {"balance_ratio", "balance_ratio_next", "token_efficiency", "expert_efficiency", "replicas",

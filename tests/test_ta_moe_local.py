@@ -3,7 +3,6 @@ the gates stay rank-local: 4 gloo processes on [[0,1],[2,3]] with a 4:1 bandwidt
 aux loss trained. With gradients averaged over ranks (gate sync `all`) the per-rank preferences cancel and the
 off-node share stays at the balanced 1/2; with local gates it moves from 1/2 to within 0.05 of the target."""
 import json
-import os
 
 import pytest
 import torch

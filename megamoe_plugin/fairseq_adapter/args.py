@@ -17,7 +17,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import re
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Tuple
 
 from ..config import ConfigError, MoEConfig, flag, iter_options
 

@@ -168,7 +168,7 @@ class PluginExperts(MegatronModule):
                     replica_id=(0, 0, expt_dp_rank), prepend_axis_num=axis)
             return out
 
-        num_experts, slots = runtime.num_experts, self.bank.w1.shape[0]
+        num_experts = runtime.num_experts
         held = [(i, e) for i, e in enumerate(runtime.slot_experts()) if e is not None]
         owner = {e: runtime.owner(e)[0] == self.ep.rank for _, e in held}
 

@@ -21,7 +21,7 @@ from .hooks import (AfterStepHook, StepContext, build_placement_policy, register
                     registered_placement_policies)
 from .state import Move, PlacementError, PlacementState, flexible_route, model_state_bytes
 from .runtime import PlacementRuntime, apply_placement
-from . import policies  # registers --moe-placement flexmoe and shadow
+from . import policies  # noqa: F401  (registers --moe-placement flexmoe and shadow)
 
 _LAZY = {
     "FlexMoEPlanner": "flexmoe", "StaticPlanner": "flexmoe",

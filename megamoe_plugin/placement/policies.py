@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import time
 import zlib
-from typing import Dict, List, Optional
+from typing import Dict, Optional
 
 import torch
 import torch.distributed as dist
@@ -180,7 +180,7 @@ class _Policy:
         if not rows:
             self.metrics = {}
             return
-        bal, bal_next, tok, exp_num, exp_den = [], [], 0.0, 0.0, 0.0
+        bal, bal_next, exp_num, exp_den = [], [], 0.0, 0.0
         replicas = shadowed = moves = 0
         predicted = 0.0
         routed = kept = 0.0

@@ -263,7 +263,7 @@ class PlacementRuntime:
             new_counts = torch.zeros(self.num_slots, dtype=counts.dtype, device=counts.device)
             new_counts.index_add_(0, lookup[:-1], counts)
             return SlotRouting(routing.expert_ids, routing.weights, new_ids, new_counts)
-        P, E, me = self.ep.size, self.num_experts, self.ep.rank
+        P, me = self.ep.size, self.ep.rank
         parts = [torch.empty_like(counts) for _ in range(P)]
         dist.all_gather(parts, counts.contiguous(), group=self.ep.group)
         allc = torch.stack(parts).cpu()                                   # the extra host sync (replicas only)

@@ -6,7 +6,6 @@ PYTHONPATH; writes to ``$MEGAMOE_RECORD_DIR/rank<r>.jsonl``.
 import json
 import os
 
-import torch
 import torch.distributed as dist
 
 
