@@ -1,7 +1,7 @@
 """Calibration of the cost model on this machine: a real 2-process gloo group measures GEMM throughput, all-to-all
 and point-to-point links, fits a HardwareProfile, then predicts real MoELayer forward+backward steps.
 
-The accuracy numbers themselves depend on the machine (the closing note of issue 5 reports them); the test checks
+The accuracy numbers themselves depend on the machine (BENCHMARKS.md reports those of this project's machines); the test checks
 they are computed from real measurements, finite, and that the predictions order layer configurations whose work
 differs by 2x or more the same way the measurements do.
 """

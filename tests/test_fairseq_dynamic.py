@@ -1,4 +1,4 @@
-"""DynaMoE (issue 7) in fairseq: dynamic capacity by RECOMPILE and sample-assignment caching through the plugin's
+"""DynaMoE (paper 000) in fairseq: dynamic capacity by RECOMPILE and sample-assignment caching through the plugin's
 trainer hooks (megamoe_plugin/fairseq_adapter/dynamic.py, trainer_hooks.py).
 
 In process (cheap):

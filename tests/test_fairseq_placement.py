@@ -1,4 +1,4 @@
-"""Dynamic expert placement (issue 6) inside fairseq: --moe-placement flexmoe | shadow through the plugin's
+"""Dynamic expert placement inside fairseq: --moe-placement flexmoe | shadow through the plugin's
 trainer wrappers, and checkpoints by logical expert id whatever the placement.
 
 In process / 2 gloo processes (cheap):

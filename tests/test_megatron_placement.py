@@ -1,4 +1,4 @@
-"""Dynamic expert placement (issue 6) inside megatron-core, for real: the example trainer
+"""Dynamic expert placement inside megatron-core, for real: the example trainer
 (examples/megatron/pretrain_moe_gpt.py) under torchrun on 2 gloo processes with EP=2, megatron-core's DDP, chained
 optimizer, schedules and dist_checkpointing.
 

@@ -87,7 +87,7 @@ def test_trainer_two_processes_loss_falls_and_hook_runs(layout, cache, tmp_path)
     (["--expert-model-parallel-size", "2"], 0.0),
     # TP=2 + SP: the replicated parameters (layernorms, router, experts) of the two tensor-parallel ranks drift
     # apart at the 1e-6 level during training and the checkpoint keeps TP rank 0's copy, so the resumed losses
-    # match to ~1e-4, not bit for bit (see the closing note of issue 3).
+    # match to ~1e-4, not bit for bit.
     (["--tensor-model-parallel-size", "2", "--sequence-parallel", "--expert-tensor-parallel-size", "1"], 5e-4),
 ], ids=["EP2-exact", "TP2-SP"])
 def test_checkpoint_resume_next_steps_match(layout, tol, cache, tmp_path):

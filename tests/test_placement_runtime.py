@@ -1,4 +1,4 @@
-"""Placement at run time (issue 6): training with Expand / Shrink / Migrate / shadowing forced every step is the
+"""Placement at run time: training with Expand / Shrink / Migrate / shadowing forced every step is the
 same training as without (losses, final weights and Adam state by logical id) on 2 and 4 real gloo processes; a
 checkpoint written after moves loads into EP=1 and EP=2 and gives the original model's loss; routing among
 replicas follows FlexMoE Alg. 3; the replica group cache; optimizer-state lookup through trainer wrappers."""

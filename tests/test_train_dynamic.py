@@ -1,4 +1,4 @@
-"""DynaMoE in the `megamoe train` main job (issue 7): dynamic capacity and the sample-assignment cache keyed by the
+"""DynaMoE in the `megamoe train` main job: dynamic capacity and the sample-assignment cache keyed by the
 trainer's own sample indices, metrics in the progress line, and a checkpoint that resumes the same run.
 
 A tiny corpus (110 samples of 32 tokens, 13 steps per epoch) so epochs recur within a few seconds; thresholds are

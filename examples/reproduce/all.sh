@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Full-mode reproduction of every paper (issue 9): runs `megamoe reproduce <paper>` for each, then assembles
+# Full-mode reproduction of every paper: runs `megamoe reproduce <paper>` for each, then assembles
 # docs/results.md from the written tables (the figures are copied to docs/figures/<paper>/). The discussion in
 # docs/results.md under "Discussion" is kept (written by hand after reading the numbers); everything above it is
 # regenerated.

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Regenerates the routing traces shipped in megamoe_plugin/data/traces/ (issue 9), which `megamoe reproduce <paper>`
+# Regenerates the routing traces shipped in megamoe_plugin/data/traces/, which `megamoe reproduce <paper>`
 # reads so every table can be remade without retraining. Each is a small MoE GPT trained on CPU on the embedded
 # multi-domain real-text corpus (the Python standard library's sources and docs), through one of the trainers:
 #

@@ -1,4 +1,4 @@
-"""DynaMoE in fairseq-train (issue 7): dynamic capacity and sample-assignment caching through the trainer hooks.
+"""DynaMoE in fairseq-train (paper 000): dynamic capacity and sample-assignment caching through the trainer hooks.
 
 ``trainer_hooks`` builds one ``FairseqDynamic`` per trainer when ``--moe-capacity-policy dynamic`` or
 ``--moe-assignment-cache`` is on (``create``), around ONE ``dynamic.runtime.DynamicRuntime`` holding every MoE

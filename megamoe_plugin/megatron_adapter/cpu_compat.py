@@ -1,8 +1,9 @@
 """Runtime shims that let megatron-core run on a CPU-only torch build.
 
 megatron-core (checked against 0.16.1; the 0.19 names are guarded with ``hasattr``)
-assumes CUDA in a handful of places (the project's toolchain notes list them as items
-(a)-(h)).  ``install_cpu_shims()`` patches them *at runtime, inside this process*;
+assumes CUDA in a handful of places, lettered (a)-(h) below and in the code: the RNG tracker,
+``torch.cuda`` used as a device, causal masks, the dispatcher's stream, ``te_general_gemm``, split sizes, layer norms
+under sequence parallelism, and the optimizer's CUDA tensors.  ``install_cpu_shims()`` patches them *at runtime, inside this process*;
 nothing in site-packages is edited.  It is idempotent and does nothing when
 ``torch.cuda.is_available()``.
 
