@@ -117,7 +117,7 @@ def _check_training(rc, out, record_dir, log_interval):
         assert all(r["rank"] == rank and r["moe_layers"] == 2 and r["layer_numbers"] == [1, 2] for r in recs), recs
         assert all(r["optimizer_has_state"] for r in recs), recs
     # The per-layer metrics summary (rank 0) at every log interval, for both MoE layers.
-    summary = re.findall(r"\[megamoe-plugin\] iteration\s+(\d+) \| L1 bal [0-9.]+ drop [0-9.]+ \| L2 bal", out)
+    summary = re.findall(r"\[megamoe-plugin\] iteration\s+(\d+) \| L1 experts [0-9.]+ bal [0-9.]+ drop [0-9.]+ \| L2 experts", out)
     assert [int(i) for i in summary] == list(range(log_interval, ITERS + 1, log_interval)), _tail(out)
 
 

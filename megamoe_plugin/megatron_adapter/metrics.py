@@ -63,9 +63,11 @@ def write_layer_metrics(metrics: Dict[int, dict], iteration: int, writer=None, w
 
 
 def format_layer_metrics(metrics: Dict[int, dict]) -> str:
-    """One short text fragment for a progress line: balance ratio and drops of every MoE layer."""
-    return " | ".join(f"L{layer} bal {m['balance_ratio']:.2f} drop {m['dropped_fraction']:.3f}"
-                      for layer, m in sorted(metrics.items()))
+    """One short text fragment for a progress line per MoE layer: ``experts`` = the busiest expert's tokens over
+    the mean (the imbalance a gate leaves, visible with one rank too), ``bal`` = the busiest rank's tokens over
+    the mean (what expert parallelism and placement pay for; 1.00 with one rank), ``drop`` = dropped fraction."""
+    return " | ".join(f"L{layer} experts {m['expert_max_over_mean']:.2f} bal {m['balance_ratio']:.2f} "
+                      f"drop {m['dropped_fraction']:.3f}" for layer, m in sorted(metrics.items()))
 
 
 def _write_scalars(prefix: str, metrics: Dict[str, float], iteration: int, writer=None, wandb_writer=None) -> None:
