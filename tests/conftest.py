@@ -1,7 +1,6 @@
 """Shared test helpers: a naive per-token reference of the MoE layer and a gloo multi-process launcher."""
 import os
 import sys
-import tempfile
 
 import pytest
 import torch
@@ -39,22 +38,11 @@ def reference_moe(x2d, routing, bank):
     return torch.stack(out) if out else x2d[:0] * 0
 
 
-def _entry(rank, world, init_file, fn, args):
-    import torch.distributed as dist
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    try:
-        fn(rank, world, *args)
-        dist.barrier()          # no rank tears its gloo pairs down while another still talks over them
-    finally:
-        dist.destroy_process_group()
-
-
 def run_distributed(fn, world_size, *args):
-    """Run fn(rank, world_size, *args) in `world_size` real gloo processes; any failure fails the test."""
-    import torch.multiprocessing as mp
-    with tempfile.TemporaryDirectory() as d:
-        mp.spawn(_entry, args=(world_size, os.path.join(d, "init"), fn, args), nprocs=world_size, join=True)
+    """Run fn(rank, world_size, *args) in `world_size` real gloo processes (the package's launcher, spawned: a
+    test process may hold state a fork should not inherit); any failure fails the test."""
+    from megamoe_plugin.launch import run_processes
+    run_processes(fn, world_size, *args, start_method="spawn")
 
 
 def pytest_configure(config):

@@ -1,47 +1,38 @@
-"""Benchmarks: `megamoe bench layer` (MoE layer implementations, forward+backward, ratios from one run),
-`megamoe bench megatron` (one megatron-core MoE transformer layer, ours vs megatron's, forward+backward),
-`megamoe bench schedule` (plain vs smart schedule with expert parallelism, measured and predicted ratios) and
-`megamoe bench placement` (static EP vs FasterMoE shadowing vs FlexMoE on a skewed trace: simulator predictions for
-the papers' clusters and wall time measured on gloo processes here), `megamoe bench dynamic` (DynaMoE: static vs
-dynamic capacity and assignment caching on a real-text LM run) and `megamoe bench inference` (paper 004: static vs
-dynamic gating at inference, throughput and activation memory across batch sizes)."""
+"""Benchmarks (``megamoe bench <name> -h`` for each one's flags): every number they print is measured in one run,
+with ratios from interleaved rounds; see BENCHMARKS.md for the results on this project's machines."""
 from typing import List, Optional
 
 
+BENCHMARKS = {
+    "layer": ("layer", "MoE layer implementations on identical inputs, forward+backward (CPU, or --device cuda)"),
+    "megatron": ("megatron", "one megatron-core MoE transformer layer: ours vs megatron-core's, forward+backward"),
+    "schedule": ("schedule", "plain vs smart schedule with expert parallelism, measured and predicted ratios"),
+    "placement": ("placement", "static EP vs FasterMoE shadowing vs FlexMoE on a skewed trace (model + gloo)"),
+    "dynamic": ("dynamic", "DynaMoE: static vs dynamic capacity and assignment caching on a real-text LM run"),
+    "inference": ("inference", "paper 004: static vs dynamic gating at inference, throughput and memory"),
+    "cluster": ("cluster", "a reference MoE layer on the emulated cluster: compute / all-to-all split, predictions"),
+    "gates": ("gates", "gshard / ta_moe / hir trained on the emulated cluster: off-node share, time to target"),
+    "planners": ("planners", "static / capacity / shadow / flexmoe placement on the emulated cluster"),
+}
+
+
+def usage() -> str:
+    width = max(map(len, BENCHMARKS))
+    lines = ["usage: megamoe bench <benchmark> [options]      (megamoe bench <benchmark> -h: its options)", "",
+             "benchmarks:"]
+    lines += [f"  {name:<{width}}  {text}" for name, (_, text) in BENCHMARKS.items()]
+    return "\n".join(lines)
+
+
 def main(argv: Optional[List[str]] = None):
+    import importlib
     import sys
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
-        print("usage: megamoe bench {layer,megatron,schedule,placement,dynamic,inference} [options]   "
-              "(see: megamoe bench layer --help)")
+        print(usage())
         return None
     what, rest = argv[0], argv[1:]
-    if what == "layer":
-        from .layer import main as layer_main
-        return layer_main(rest)
-    if what == "megatron":
-        from .megatron import main as megatron_main
-        return megatron_main(rest)
-    if what == "schedule":
-        from .schedule import main as schedule_main
-        return schedule_main(rest)
-    if what == "placement":
-        from .placement import main as placement_main
-        return placement_main(rest)
-    if what == "dynamic":
-        from .dynamic import main as dynamic_main
-        return dynamic_main(rest)
-    if what == "inference":
-        from .inference import main as inference_main
-        return inference_main(rest)
-    if what == "planners":
-        from .planners import main as planners_main
-        return planners_main(rest)
-    if what == "gates":
-        from .gates import main as gates_main
-        return gates_main(rest)
-    if what == "cluster":
-        from .cluster import main as cluster_main
-        return cluster_main(rest)
-    raise SystemExit(f"megamoe bench: unknown benchmark {what!r}; known: layer, megatron, schedule, placement, "
-                     "dynamic, inference, cluster, gates, planners")
+    if what not in BENCHMARKS:
+        raise SystemExit(f"megamoe bench: unknown benchmark {what!r}; known: {', '.join(BENCHMARKS)}")
+    module = importlib.import_module(f"{__name__}.{BENCHMARKS[what][0]}")
+    return module.main(rest)

@@ -36,6 +36,7 @@ from ..cpu_alloc import retain_freed_memory
 from ..layer import MoELayer
 from .layer_inputs import CONFIGS, make_inputs, route
 from .report import emit_report
+from ..progress import Progress
 
 __all__ = ["CONFIGS", "make_inputs", "route", "emit_report", "main"]
 
@@ -165,22 +166,28 @@ def timeit(fn: Callable[[], None], repeat: int) -> float:
     return time_interleaved({"f": fn}, repeat)["f"]
 
 
-def time_interleaved(fns: Dict[str, Callable[[], None]], repeat: int) -> Dict[str, float]:
+def time_interleaved(fns: Dict[str, Callable[[], None]], repeat: int, progress=None, what: str = ""
+                     ) -> Dict[str, float]:
     """Median time of each callable; rounds run every implementation once, so a slow phase of a shared
-    machine hits all of them alike instead of one."""
+    machine hits all of them alike instead of one. ``progress`` (a progress.Progress) steps once per round,
+    the warm-up included."""
     for fn in fns.values():
         fn()
+    if progress is not None:
+        progress.step(f"{what} warm-up")
     times = {name: [] for name in fns}
-    for _ in range(repeat):
+    for r in range(repeat):
         for name, fn in fns.items():
             t = time.perf_counter()
             fn()
             times[name].append(time.perf_counter() - t)
+        if progress is not None:
+            progress.step(f"{what} round {r + 1}/{repeat}")
     return {name: statistics.median(ts) for name, ts in times.items()}
 
 
 def run_config(name: str, routing: str, repeat: int, skip_gshard: bool = False, skip_megatron: bool = False,
-               check: bool = True) -> List[dict]:
+               check: bool = True, progress=None) -> List[dict]:
     c = CONFIGS[name]
     H, F_, E, k, T = c["H"], c["F"], c["E"], c["k"], c["T"]
     x, wg, w1, w2 = make_inputs(H, F_, E, k, T, routing)
@@ -215,7 +222,7 @@ def run_config(name: str, routing: str, repeat: int, skip_gshard: bool = False, 
             impls[f"gshard einsum CF={cf:g}"] = (step, nbytes)
     step, _ = dense_mlp(x, k, F_)
     impls["dense MLP (same FLOPs)"] = (step, 0)
-    times = time_interleaved({n: f for n, (f, _) in impls.items()}, repeat)
+    times = time_interleaved({n: f for n, (f, _) in impls.items()}, repeat, progress, f"config {name} {routing}")
     skew = max(counts) / (sum(counts) / len(counts))
     rows = [dict(config=name, routing=routing, impl=n, time=times[n], bytes=b, note="", max_over_mean=skew)
             for n, (_, b) in impls.items()]
@@ -292,11 +299,14 @@ def main(argv: Optional[List[str]] = None) -> List[dict]:
     torch.set_num_threads(args.threads)
     retained = False if args.no_retain_freed_memory else retain_freed_memory()
     rows = []
-    for name in args.configs.split(","):
-        for routing in args.routing.split(","):
-            if routing not in ("balanced", "skewed"):
-                p.error(f"--routing: {routing!r} is not balanced or skewed")
-            rows += run_config(name, routing, args.repeat, args.skip_gshard, args.skip_megatron)
+    configs, routings = args.configs.split(","), args.routing.split(",")
+    for routing in routings:
+        if routing not in ("balanced", "skewed"):
+            p.error(f"--routing: {routing!r} is not balanced or skewed")
+    progress = Progress("bench layer", len(configs) * len(routings) * (args.repeat + 1))
+    for name in configs:
+        for routing in routings:
+            rows += run_config(name, routing, args.repeat, args.skip_gshard, args.skip_megatron, progress=progress)
     table = format_table(rows)
     summary = "\n".join(targets(rows))
     header = (f"CPU fp32, {args.threads} thread(s), median of {args.repeat} interleaved forward+backward rounds, one "

@@ -281,27 +281,22 @@ def measure(args, P: int, rank: int, profile_info: dict) -> Optional[dict]:
             "loss_max_rel_diff": max(row["loss_max_rel_diff"] for row in rows), "loss_rtol": LOSS_RTOL}
 
 
-def _worker(rank: int, world: int, init_file: str, args, profile_path: str, result_file: str) -> None:
+def _worker(rank: int, world: int, args, profile_path: str, result_file: str) -> None:
     import json
-    torch.set_num_threads(args.measure_threads)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    try:
-        info = _make_profile(args.measure_profile, world, profile_path)
-        t0 = time.perf_counter()
-        res = measure(args, world, rank, info)
-        if rank == 0:
-            res["train_wall_s"] = time.perf_counter() - t0
-            with open(result_file, "w") as f:
-                json.dump(res, f)
-    finally:
-        dist.destroy_process_group()
+    info = _make_profile(args.measure_profile, world, profile_path)
+    t0 = time.perf_counter()
+    res = measure(args, world, rank, info)
+    if rank == 0:
+        res["train_wall_s"] = time.perf_counter() - t0
+        with open(result_file, "w") as f:
+            json.dump(res, f)
 
 
 def run_measured(args) -> dict:
     """Spawn ``args.measure_procs`` gloo processes, calibrate, train and time; rank 0's results."""
     import json
 
-    import torch.multiprocessing as mp
+    from ..launch import run_processes
     P = int(args.measure_procs)
     if P < 2:
         raise SystemExit("megamoe bench placement: --measure-procs needs 2 or more processes (0 skips)")
@@ -312,7 +307,8 @@ def run_measured(args) -> dict:
     with tempfile.TemporaryDirectory() as d:
         result = os.path.join(d, "result.json")
         profile_path = args.measure_profile_out or os.path.join(d, "profile.json")
-        mp.spawn(_worker, args=(P, os.path.join(d, "init"), args, profile_path, result), nprocs=P, join=True)
+        run_processes(_worker, P, args, profile_path, result, threads=args.measure_threads,
+                      label="bench placement (measured)")
         with open(result) as f:
             res = json.load(f)
         with open(profile_path) as f:

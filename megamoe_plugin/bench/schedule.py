@@ -280,16 +280,11 @@ def report(res: dict) -> str:
 
 
 # --- processes ---------------------------------------------------------------------------------------------------
-def _worker(rank: int, world: int, init_file: str, args: argparse.Namespace, result_file: str) -> None:
-    torch.set_num_threads(args.threads)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    try:
-        res = run(args)
-        if rank == 0:
-            with open(result_file, "w") as f:
-                json.dump(res, f)
-    finally:
-        dist.destroy_process_group()
+def _worker(rank: int, world: int, args: argparse.Namespace, result_file: str) -> None:
+    res = run(args)
+    if rank == 0:
+        with open(result_file, "w") as f:
+            json.dump(res, f)
 
 
 def main(argv: Optional[List[str]] = None) -> dict:
@@ -325,12 +320,12 @@ def main(argv: Optional[List[str]] = None) -> dict:
         if res is None:
             return {}
     else:
-        import torch.multiprocessing as mp
+        from ..launch import run_processes
         if args.nproc < 2:
             p.error("--nproc: the schedules differ only with expert parallelism; use 2 or more processes")
         with tempfile.TemporaryDirectory() as d:
             result = os.path.join(d, "result.json")
-            mp.spawn(_worker, args=(args.nproc, os.path.join(d, "init"), args, result), nprocs=args.nproc, join=True)
+            run_processes(_worker, args.nproc, args, result, threads=args.threads, label="bench schedule")
             with open(result) as f:
                 res = json.load(f)
     emit_report([report(res)], args.output)

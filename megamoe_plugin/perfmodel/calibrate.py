@@ -289,21 +289,15 @@ def accuracy(measured: Sequence[float], predicted: Sequence[float]):
 
 
 # --- entry point: `megamoe perf calibrate` ----------------------------------------------------------------------------
-def _worker(rank: int, world: int, init_file: str, out: Optional[str], quick: bool, result_file: str) -> None:
+def _worker(rank: int, world: int, out: Optional[str], quick: bool, result_file: str) -> None:
     import json
-    import os
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    try:
-        cal = validate(calibrate(quick=quick), iters=3 if quick else 5,
-                       cases=DEFAULT_CASES[:4] if quick else DEFAULT_CASES)
-        if rank == 0:
-            if out:
-                cal.profile.save(out)
-            with open(result_file, "w") as f:
-                json.dump({"report": cal.report(), **cal.to_dict()}, f)
-    finally:
-        dist.destroy_process_group()
+    cal = validate(calibrate(quick=quick), iters=3 if quick else 5,
+                   cases=DEFAULT_CASES[:4] if quick else DEFAULT_CASES)
+    if rank == 0:
+        if out:
+            cal.profile.save(out)
+        with open(result_file, "w") as f:
+            json.dump({"report": cal.report(), **cal.to_dict()}, f)
 
 
 def run_calibration(nproc: int = 2, out: Optional[str] = None, quick: bool = False) -> dict:
@@ -314,10 +308,11 @@ def run_calibration(nproc: int = 2, out: Optional[str] = None, quick: bool = Fal
     import os
     import tempfile
 
-    import torch.multiprocessing as mp
+    from ..launch import run_processes
     with tempfile.TemporaryDirectory() as d:
         result = os.path.join(d, "result.json")
-        mp.spawn(_worker, args=(nproc, os.path.join(d, "init"), out, quick, result), nprocs=nproc, join=True)
+        run_processes(_worker, nproc, out, quick, result, threads=max(1, (os.cpu_count() or 1) // nproc),
+                      label="perf calibrate")
         with open(result) as f:
             return json.load(f)
 

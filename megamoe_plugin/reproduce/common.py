@@ -16,14 +16,13 @@ A reproduction writes, into its output folder, one markdown file per table (``<n
 """
 from __future__ import annotations
 
-import multiprocessing
 import os
-import tempfile
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence
 
 import torch
-import torch.distributed as dist
+
+from ..launch import run_processes
 
 __all__ = ["Table", "measured", "predicted", "PAPER", "parse_markdown_table", "traces_dir", "shipped_trace",
            "save_figure", "fork_processes"]
@@ -135,28 +134,8 @@ def header(paper: str, fast: bool, extra: Optional[str] = None) -> str:
     return f"## megamoe reproduce {paper} -- {mode}" + (f"; {extra}" if extra else "")
 
 
-def _entry(rank: int, world: int, init_file: str, fn, args) -> None:
-    os.environ.update(WORLD_SIZE=str(world), RANK=str(rank), LOCAL_RANK=str(rank))
-    os.environ.pop("LOCAL_WORLD_SIZE", None)          # one node of `world` ranks (Topology.from_env)
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    try:
-        fn(rank, world, *args)
-    finally:
-        dist.destroy_process_group()
-
-
 def fork_processes(fn, world: int, *args) -> None:
-    """Run ``fn(rank, world, *args)`` in `world` gloo processes of this machine (one intra-op thread each,
-    WORLD_SIZE/RANK set so that ``megamoe train`` inside uses them). Forked where the OS allows it (children
-    inherit the imported modules: no 10 s of re-imports per run on a busy machine) unless this process has a
-    default process group, else spawned (then `fn` must be a module-level function). A failing rank fails the
-    call."""
-    import torch.multiprocessing as mp
-    # a fork would inherit an initialized default process group of this process (its children could not start
-    # their own): spawn then
-    inherited = dist.is_available() and dist.is_initialized()
-    method = "fork" if "fork" in multiprocessing.get_all_start_methods() and not inherited else "spawn"
-    with tempfile.TemporaryDirectory() as d:
-        mp.start_processes(_entry, args=(world, os.path.join(d, "init"), fn, args), nprocs=world, join=True,
-                           start_method=method)
+    """Run ``fn(rank, world, *args)`` in `world` gloo processes of this machine (launch.run_processes: one
+    intra-op thread each, WORLD_SIZE/RANK set so that ``megamoe train`` inside uses them), saying on stderr when
+    the phase starts and ends."""
+    run_processes(fn, world, *args, label=f"reproduce: {getattr(fn, '__name__', 'workers').strip('_')}")
