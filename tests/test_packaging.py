@@ -79,3 +79,44 @@ def _pip_has_python_flag() -> bool:
 @pytest.mark.parametrize("name", ["setup.py", "pyproject.toml", "README.md", "CHANGELOG.md"])
 def test_top_level_files(name):
     assert os.path.isfile(os.path.join(ROOT, name))
+
+
+@pytest.mark.slow
+def test_wheel_in_a_fresh_venv_traces_a_megatron_checkpoint(tmp_path):
+    """The package stands alone: built as a wheel, installed in a fresh environment (torch and megatron-core from
+    the system, no repository on the path, run from an empty folder), its Megatron trainer writes a checkpoint and
+    `megamoe trace --trainer megatron` reads it."""
+    pytest.importorskip("megatron.core")
+    quiet = dict(capture_output=True, text=True, timeout=600)
+    wheels = tmp_path / "wheels"
+    r = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-w", str(wheels),
+                        ROOT], **quiet)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    (wheel,) = list(wheels.glob("megamoe_plugin-*.whl"))
+    env_dir = tmp_path / "venv"
+    venv.EnvBuilder(system_site_packages=True, with_pip=False).create(str(env_dir))
+    py, bindir = str(env_dir / "bin" / "python"), env_dir / "bin"
+    r = subprocess.run([sys.executable, "-m", "pip", "--python", py, "install", "--no-deps", "--no-index",
+                        str(wheel)], **quiet)
+    assert r.returncode == 0, r.stderr[-2000:]
+    work = tmp_path / "empty"
+    work.mkdir()
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "WORLD_SIZE", "RANK", "LOCAL_RANK",
+                                                            "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    env.update(PATH=f"{bindir}:{env.get('PATH', '')}", OMP_NUM_THREADS="1")
+    where = subprocess.run([py, "-c", "import megamoe_plugin; print(megamoe_plugin.__file__)"], cwd=work, env=env,
+                           **quiet).stdout.strip()
+    assert where.startswith(str(env_dir)), where                # the wheel's copy, not the repository
+    model = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
+             "--max-position-embeddings", "32", "--micro-batch-size", "4", "--corpus-bytes", "200000",
+             "--num-experts", "4", "--moe-router-topk", "2", "--moe-plugin"]
+    r = subprocess.run([py, "-m", "megamoe_plugin.megatron_adapter.trainer", *model, "--global-batch-size", "4",
+                        "--lr", "3e-3", "--log-interval", "1", "--train-iters", "2", "--eval-iters", "1",
+                        "--save", str(work / "ck"), "--data-cache-path", str(work / "cache")], cwd=work, env=env,
+                       **quiet)
+    assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
+    r = subprocess.run([str(bindir / "megamoe"), "trace", "--checkpoint", str(work / "ck"), "--trainer", "megatron",
+                        "--out", str(work / "trace"), "--batches", "2", "--batch-size", "4",
+                        "--megatron-args", " ".join(model)], cwd=work, env=env, **quiet)
+    assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
+    assert "held-out loss" in r.stdout and list(work.glob("trace.rank*"))
