@@ -1,6 +1,6 @@
 """The ``megamoe`` console command.
 
-    megamoe train [flags]     train the MoE GPT main job (megamoe_plugin.train; ``megamoe train -h`` lists flags)
+    megamoe train [flags]     train the plain-PyTorch MoE GPT trainer (megamoe_plugin.train; ``megamoe train -h`` lists flags)
     megamoe bench [flags]     benchmarks (megamoe_plugin.bench)
     megamoe options           table of every MoE option: flag, type, default, help (--trainer megatron|fairseq)
     megamoe fairseq-user-dir  the folder to pass to fairseq-train / fairseq-generate --user-dir
@@ -184,7 +184,7 @@ def _reproduce(argv: List[str]) -> int:
 
 
 _COMMANDS = {
-    "train": (_train, "Train the small MoE GPT language model on the embedded corpus (the main job)."),
+    "train": (_train, "Train the small MoE GPT language model on the embedded corpus (plain PyTorch, no Megatron)."),
     "bench": (_bench, "Run the MoE benchmarks (megamoe_plugin.bench)."),
     "options": (_options, "Print the table of all MoE options: flag, type, default, help."),
     "fairseq-user-dir": (_fairseq_user_dir, "Print the folder to pass to fairseq-train's --user-dir."),

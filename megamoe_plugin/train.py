@@ -1,4 +1,4 @@
-"""The core's own trainer (the project's "main job"): a small MoE GPT language model on the embedded corpus.
+"""`megamoe train`, the plain-PyTorch trainer (no Megatron, no fairseq): a small MoE GPT language model on the embedded corpus.
 
     megamoe train --steps 200                          # or: python -m megamoe_plugin.train --steps 200
     torchrun --nproc-per-node 2 -m megamoe_plugin.train --moe-expert-parallel-size 2
@@ -14,7 +14,7 @@ parsing; an invalid combination is an argparse error (exit status 2) before anyt
 Every ``--log-interval`` steps one line: step, loss, lm loss, aux loss, lr, grad norm, tokens/s, and per MoE layer
 ``L<id> load=[...] bal=<max/mean expert load> drop=<dropped fraction>`` (from ``StatsSink.summary``; the load is
 each expert's fraction of the routed assignments since the last line; ``drop`` counts every assignment not
-computed; the main job keeps every gshard second choice (``--moe-second-expert-policy all``), so a dropless run
+computed; `megamoe train` keeps every gshard second choice (``--moe-second-expert-policy all``), so a dropless run
 shows 0; with ``random`` (GShard's random routing) about a third of the second choices are skipped and counted). Eval on the valid split every
 ``--eval-interval`` steps and at the end: loss, perplexity and bits per byte (total bits / bytes predicted; the
 ``<eod>`` targets' bits are counted, they are not counted as bytes).
@@ -68,7 +68,7 @@ __all__ = ["MAIN_JOB_MOE_DEFAULTS", "CHECKPOINT_FORMAT", "ParallelState", "Train
            "build_model", "sync_gradients", "clip_grad_norm", "lr_at", "evaluate", "format_load",
            "save_checkpoint", "load_checkpoint", "checkpoint_path", "main"]
 
-# MoE options of the main job where they differ from (or restate) MoEConfig's defaults.
+# MoE options of `megamoe train` where they differ from (or restate) MoEConfig's defaults.
 MAIN_JOB_MOE_DEFAULTS: Dict[str, object] = {"num_experts": 8, "gate": "gshard", "top_k": 2, "dispatch": "dropless",
                                             "aux_loss_coeff": 0.01, "second_expert_policy": "all"}
 CHECKPOINT_FORMAT = checkpoints.FORMAT
@@ -107,8 +107,8 @@ def moe_config_from_args(args: argparse.Namespace) -> MoEConfig:
 def build_parser(prog: Optional[str] = None) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog=prog or "megamoe train", allow_abbrev=False, formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-        description="Train a small MoE GPT language model on CPU on the embedded default corpus (the core's "
-                    "main job). Launch with torchrun for data + expert parallelism over gloo.")
+        description="Train a small MoE GPT language model on CPU on the embedded default corpus (plain "
+                    "PyTorch, no Megatron). Launch with torchrun for data + expert parallelism over gloo.")
     m = p.add_argument_group("model")
     m.add_argument("--hidden", type=int, default=128, help="Hidden size.")
     m.add_argument("--layers", type=int, default=4, help="Transformer blocks.")
@@ -307,7 +307,7 @@ def clip_grad_norm(model: torch.nn.Module, max_norm: float, ps: Optional[Paralle
 # ------------------------------------------------------------------------------------------------------- model
 def build_model(cfg: MoEConfig, vocab_size: int, args: argparse.Namespace, ps: ParallelState,
                 stats: Optional[StatsSink] = None) -> TinyMoEGPT:
-    """The main job's model from ``--seed``: the same on every rank and for every expert-parallel size (each EP
+    """The model from ``--seed``: the same on every rank and for every expert-parallel size (each EP
     rank holds its slice of the EP=1 model's experts; see TinyMoEGPT). Replicated parameters are broadcast from
     rank 0 all the same, as DDP does."""
     torch.manual_seed(args.seed)
@@ -633,7 +633,7 @@ def _train(parser, args, cfg: MoEConfig, ps: ParallelState, hook: AfterStepHook,
         stats.listeners.append(tracer)
 
     n_moe = len(moe_layers(model))
-    log(f"megamoe main job | {corpus!r}")
+    log(f"megamoe train | {corpus!r}")
     log(f"model: {args.layers} layers ({n_moe} MoE, every {args.moe_every}), hidden {args.hidden}, heads "
         f"{args.heads}, ffn {args.ffn_hidden}, seq {args.seq_len}, vocab {corpus.vocab_size} | params "
         f"{model.num_parameters() / 1e6:.2f}M on rank 0 ({model.num_parameters(active=True) / 1e6:.2f}M active "

@@ -3,6 +3,7 @@ not a pin), the version is one string, and the documented extras exist."""
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tomllib
@@ -88,9 +89,11 @@ def test_wheel_in_a_fresh_venv_traces_a_megatron_checkpoint(tmp_path):
     `megamoe trace --trainer megatron` reads it."""
     pytest.importorskip("megatron.core")
     quiet = dict(capture_output=True, text=True, timeout=600)
-    wheels = tmp_path / "wheels"
+    wheels, src = tmp_path / "wheels", tmp_path / "src"      # built from a copy: no build/ left in the checkout
+    shutil.copytree(ROOT, src, ignore=shutil.ignore_patterns(".git", "build", "*.egg-info", "__pycache__", "results",
+                                                             "cluster_logs", "tests"))
     r = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-w", str(wheels),
-                        ROOT], **quiet)
+                        str(src)], **quiet)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     (wheel,) = list(wheels.glob("megamoe_plugin-*.whl"))
     env_dir = tmp_path / "venv"

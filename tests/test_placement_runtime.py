@@ -331,5 +331,5 @@ def _main_job(rank, world, profile, out_dir):
     assert resumed.evals[-1]["loss"] == pytest.approx(placed.evals[-1]["loss"], rel=1e-6)
 
 
-def test_main_job_with_flexmoe_is_the_same_training(tmp_path):
+def test_megamoe_train_with_flexmoe_is_the_same_training(tmp_path):
     run_distributed(_main_job, 4, _slow_compute_profile(str(tmp_path / "slow.json")), str(tmp_path))

@@ -1,4 +1,4 @@
-"""DynaMoE in the `megamoe train` main job: dynamic capacity and the sample-assignment cache keyed by the
+"""DynaMoE in `megamoe train`: dynamic capacity and the sample-assignment cache keyed by the
 trainer's own sample indices, metrics in the progress line, and a checkpoint that resumes the same run.
 
 A tiny corpus (110 samples of 32 tokens, 13 steps per epoch) so epochs recur within a few seconds; thresholds are
@@ -23,7 +23,7 @@ DYN_RE = re.compile(r"\| dynamic cf ([\d.]+) drop ([\d.]+) recompiles (\d+) cach
 pytestmark = pytest.mark.usefixtures("single_process")   # conftest: no launcher env, threads restored
 
 
-def test_main_job_runs_dynamic_capacity_and_caching_and_resumes_the_same_run(tmp_path, capsys):
+def test_megamoe_train_runs_dynamic_capacity_and_caching_and_resumes_the_same_run(tmp_path, capsys):
     ck = str(tmp_path / "ck.pt")
     straight = train.main(TINY + ["--steps", "39"])
     out = capsys.readouterr().out

@@ -1,6 +1,6 @@
 """TinyMoEGPT: a small decoder-only GPT whose FFN is the core MoELayer every ``moe_every`` layers.
 
-The core's own language model (the "main job", see ``megamoe_plugin.train``): token + learned position
+The core's own language model (``megamoe train``, see ``megamoe_plugin.train``): token + learned position
 embeddings, pre-LN blocks (LN -> causal self-attention -> residual, LN -> FFN -> residual) with attention through
 ``torch.nn.functional.scaled_dot_product_attention(is_causal=True)``, a final LayerNorm and an output head tied to
 the token embedding. Block ``i`` uses an MoELayer (layer_id ``i``) when ``moe_every > 0`` and

@@ -1,4 +1,4 @@
-"""The main job (megamoe_plugin.train): a tiny MoE GPT trained for real on the embedded corpus, on CPU.
+"""`megamoe train` (megamoe_plugin.train), the plain-PyTorch trainer: a tiny MoE GPT trained for real on the embedded corpus, on CPU.
 
 Runs train.main([...]) end to end: the loss falls, the per-expert load line is printed and sums to 1, an invalid
 MoE option is an argparse error before any training, save + resume reproduces an uninterrupted run, the capacity
@@ -34,7 +34,7 @@ def _loads(out):
     return [(int(m[1]), [float(v) for v in m[2].split()], float(m[3]), float(m[4])) for m in LOAD_RE.finditer(out)]
 
 
-def test_main_job_learns_and_prints_expert_load(capsys):
+def test_megamoe_train_learns_and_prints_expert_load(capsys):
     res = train.main(TINY + ["--steps", "30", "--log-interval", "10", "--moe-every", "1", "--lr", "3e-3"])
     out = capsys.readouterr().out
     steps = [(int(s), float(loss)) for s, _, loss, _, _ in STEP_RE.findall(out)]
