@@ -95,10 +95,8 @@ class MoELayer(nn.Module):
             raise ValueError(f"MoELayer expects hidden size {self.hidden_size}, got input of shape {tuple(shape)}")
         check_input_dtype(x, self.experts, f"MoE layer {self.layer_id}")
         tokens = x.reshape(-1, self.hidden_size)
-        routing, capacity, keys = self.plan.route(self.gate, tokens, self.training,
-                                                  tuple(shape[:-1]) if keys_shape is None else keys_shape, select)
-        y = self.plan.run(tokens, routing, capacity, self.training, self.experts)
-        self.plan.finish(routing, keys)
+        y, routing = self.plan.forward(self.gate, tokens, self.training, self.experts,
+                                       tuple(shape[:-1]) if keys_shape is None else keys_shape, select)
         self.aux_losses = routing.aux_losses
         self.aux_loss = routing.aux_loss()
         self.last_routing = routing

@@ -157,13 +157,28 @@ class DispatchPlan:
         return self.smart.forward(tokens, routing if slots is None else slots, experts)
 
     def run(self, tokens: torch.Tensor, routing: Routing, capacity: Optional[List[int]], training: bool,
-            experts) -> torch.Tensor:
+            experts, after_experts=None) -> torch.Tensor:
         """tokens [T, H] -> the layer output [T, H]: dispatch, the ExpertBank `experts`, combine (the smart
-        schedule's pipelined exchange when it applies)."""
+        schedule's pipelined exchange when it applies). ``after_experts(routing)``: the trainer's hook once the
+        experts ran (before the smart schedule's single pipelined call), e.g. where Megatron attaches aux losses."""
         if self.uses_smart(capacity):
+            if after_experts is not None:
+                after_experts(routing)
             return self.run_smart(tokens, routing, experts)
         expert_in, tokens_per_expert, handle = self.dispatch(tokens, routing, capacity, training)
-        return self.combine(self.run_experts(experts, expert_in, tokens_per_expert, capacity), handle, routing)
+        expert_out = self.run_experts(experts, expert_in, tokens_per_expert, capacity)
+        if after_experts is not None:
+            after_experts(routing)
+        return self.combine(expert_out, handle, routing)
+
+    def forward(self, gate, tokens: torch.Tensor, training: bool, experts, keys_shape=None, select=None,
+                after_experts=None):
+        """One MoE layer call, the sequence every trainer's layer runs: gate (``route``) -> dispatch -> experts
+        -> combine (``run``) -> the features' last hook (``finish``). Returns (output [T, H], routing)."""
+        routing, capacity, keys = self.route(gate, tokens, training, keys_shape, select)
+        y = self.run(tokens, routing, capacity, training, experts, after_experts)
+        self.finish(routing, keys)
+        return y, routing
 
     @staticmethod
     def combine(expert_out: torch.Tensor, handle: tuple, routing: Routing) -> torch.Tensor:

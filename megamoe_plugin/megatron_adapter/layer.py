@@ -5,8 +5,11 @@ in ``spec.py`` swaps it in), hands it the process-group collection (EP and TP gr
 layer (``isinstance(m, MoELayer)`` holds, shared experts, recompute, layer numbers, checkpoints). Inside it:
 
 - ``PluginRouter`` (the spec's ``router``) wraps a core gate (``gates/``): switch, gshard, naive, hir, ta_moe.
-- ``PluginTokenDispatcher`` replaces Megatron's token dispatcher (there is no spec hook for it): the core's
-  ``DispatchPlan`` (dropless dynamic gating or GShard capacity, all-to-all-v over Megatron's EP group).
+- The layer's forward is the core's one call sequence, ``DispatchPlan.forward`` (dropless dynamic gating or
+  GShard capacity, all-to-all-v over Megatron's EP group), with Megatron's aux losses attached by its
+  ``after_experts`` hook. ``PluginTokenDispatcher`` stands where Megatron keeps its token dispatcher (built in
+  ``MoELayer.__init__``, no spec hook), so Megatron code that drives the six-step dispatcher protocol itself gets
+  the same DispatchPlan.
 - ``PluginExperts`` (the spec's ``experts``) wraps a core ``ExpertBank`` of ``slots_per_rank`` vExpert slots (this
   rank's experts + ``--moe-plugin-placement-spare-slots`` free ones for replicas); its parameters carry
   ``allreduce=False`` so Megatron's DDP reduces them over the expert-data-parallel group, and its
@@ -201,7 +204,8 @@ class PluginExperts(MegatronModule):
 
 
 class PluginTokenDispatcher:
-    """Replaces Megatron's token dispatcher; same six-step protocol, backed by the core DispatchPlan."""
+    """Megatron's six-step token-dispatcher protocol over the core DispatchPlan, for Megatron code that drives a
+    layer's dispatcher itself (the layer's own forward calls ``DispatchPlan.forward``)."""
 
     def __init__(self, plan: DispatchPlan):
         self.plan = plan
@@ -290,25 +294,16 @@ class PluginMoELayer(MegatronMoELayer):
     def _routed(self, hidden_states: torch.Tensor) -> torch.Tensor:
         check_input_dtype(hidden_states, self.experts.bank, f"MoE layer {self.layer_number}")
         tokens = hidden_states.reshape(-1, hidden_states.shape[-1])
-        # the gate call (and, with DynaMoE's assignment cache on, cached assignments): DispatchPlan.route
-        routing, capacity, keys = self.plan.route(self.router, tokens, self.training,
-                                                  tuple(hidden_states.shape[:-1]))
-        if self.plan.uses_smart(capacity):      # FasterMoE smart schedule: dispatch + experts + combine pipelined
+
+        def aux_losses(routing):               # after the experts: a cached routing's gate ran alongside them
             if self.training:
                 routing.join()
                 self._attach_aux_losses(routing, tokens.shape[0])
-            out = self.plan.run_smart(tokens, routing, self.experts.bank).view(hidden_states.shape)
-        else:
-            d = self.token_dispatcher
-            flat, probs = d.dispatch_preprocess(hidden_states, routing, None)
-            dispatched, probs = d.token_dispatch(flat, probs, capacity, self.training)
-            expert_in, tokens_per_expert, _ = d.dispatch_postprocess(dispatched, probs)
-            expert_out = self.plan.run_experts(self.experts.bank, expert_in, tokens_per_expert, capacity)
-            if self.training:                   # after the experts: a cached routing's gate ran alongside them
-                routing.join()
-                self._attach_aux_losses(routing, tokens.shape[0])
-            out = d.combine_postprocess(d.token_combine(d.combine_preprocess(expert_out)))
-        self.plan.finish(routing, keys)
+
+        # the core's one call sequence (DispatchPlan.forward), Megatron's aux losses attached by the hook
+        out, routing = self.plan.forward(self.router, tokens, self.training, self.experts.bank,
+                                         tuple(hidden_states.shape[:-1]), after_experts=aux_losses)
+        out = out.view(hidden_states.shape)
         self.aux_losses = {k: v.detach() for k, v in routing.aux_losses.items()}
         self.last_routing = routing
         self.stats.record(self.layer_number if self.layer_number is not None else 0, routing)
