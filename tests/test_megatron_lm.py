@@ -150,7 +150,7 @@ def test_patched_pretrain_gpt_tensor_parallel_sequence_parallel_expert_parallel(
     losses = {int(i): float(v) for i, v in LM_LOSS.findall(out)}
     assert sorted(losses) == list(range(1, ITERS + 1)) and all(math.isfinite(v) for v in losses.values()), _tail(out)
     assert re.search(r"tensor model parallel size\s*\.+\s*2", out) or "tensor_model_parallel_size" in out, _tail(out)
-    summary = re.findall(r"\[megamoe-plugin\] iteration\s+(\d+) \| L1 bal", out)
+    summary = re.findall(r"\[megamoe-plugin\] iteration\s+(\d+) \| L1 experts [0-9.]+ bal", out)
     assert [int(i) for i in summary] == list(range(1, ITERS + 1)), _tail(out)
     # without the plugin's TP requirement met, the plugin's own check now speaks (it was never reached before)
     rc, out = _torchrun([os.path.join(root, "pretrain_gpt.py")] + CPU_ARGS + TINY_ARGS + MOE_ARGS

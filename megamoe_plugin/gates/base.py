@@ -102,7 +102,8 @@ class Gate(nn.Module):
         from ..config import ConfigError, flag
         if cls.fixed_top_k is not None and cfg.top_k != cls.fixed_top_k:
             raise ConfigError(f"{flag('top_k')}={cfg.top_k!r}: the {cfg.gate} gate routes each token to "
-                              f"{cls.fixed_top_k} expert(s); use {flag('top_k')}={cls.fixed_top_k} (or the naive "
+                              f"{cls.fixed_top_k} expert{'s' if cls.fixed_top_k > 1 else ''}; use {flag('top_k')}="
+                              f"{cls.fixed_top_k} (or the naive "
                               f"gate for other k)")
 
     @classmethod
