@@ -4,7 +4,7 @@ import os
 import re
 
 SOURCE = re.compile(r"^(paper|measured here \((CPU|GPU .+)\)|predicted \(.+ cost model\)|"
-                    r"measured, emulated cluster: .+ nodes? .+, inter-node \d+ MB/s.*|not run here: .+)$")
+                    r"measured, emulated cluster: .+ nodes? .+, inter-node \d+ MB/s.*|not run here: .+|computed from trace \(.+\))$")
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 LAUNCHER_ENV = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
 
@@ -29,7 +29,7 @@ def read_table(res: dict, out_dir: str, name: str):
         return parse_markdown_table(f.read())
 
 
-def check_tables_and_figures(res: dict, printed=None, measured_in_every_table: bool = True) -> None:
+def check_tables_and_figures(res: dict, printed=None, measured_in_every_table: bool = True, fast: bool = True) -> None:
     """Every table printed (when `printed` is given), every row labelled, the paper's numbers beside ours; every figure a real PNG."""
     import matplotlib.image as mpimg
     from megamoe_plugin.reproduce.common import parse_markdown_table
@@ -37,13 +37,14 @@ def check_tables_and_figures(res: dict, printed=None, measured_in_every_table: b
         with open(p) as f:
             text = f.read()
         assert printed is None or text.splitlines()[0] in printed, p
+        assert ("- fast mode: small sizes, not comparable to the paper" in text) == fast, p
         rows = parse_markdown_table(text)
         assert rows, p
         for r in rows:
             assert SOURCE.match(r["source"]), (p, r)
         assert any(r["source"] == "paper" for r in rows), p
         if measured_in_every_table:
-            assert any(r["source"].startswith("measured here") for r in rows), p
+            assert any(r["source"].startswith(("measured here", "computed from trace")) for r in rows), p
     for p in res["figures"]:
         with open(p, "rb") as f:
             assert f.read(8) == PNG_MAGIC, p

@@ -182,7 +182,9 @@ def test_anchors_pair_paper_and_measured(out):
     assert len(quantities) >= 6
     for key, sources in quantities.items():
         assert sources[0] == "paper", key
-        assert any(s.startswith("measured here") for s in sources[1:]), key
+        # Figs. 9-10 are measured; the cache and balancing anchors replay the trace (deterministic), and say so
+        want = "measured here" if key[0] in ("Fig. 9", "Fig. 10") else "computed from trace"
+        assert any(s.startswith(want) for s in sources[1:]), (key, sources)
     text = " ".join(r["value"] for r in rows if r["source"] == "paper")
     for number in ("6.21x", "3.32x", "6.29 GB", "1.28 GB", "8 / 64", "1.47x", "> 0.6", "< 0.4"):
         assert number in text

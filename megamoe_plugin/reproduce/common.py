@@ -41,6 +41,14 @@ def predicted(profile: str) -> str:
     return f"predicted ({profile} cost model)"
 
 
+def from_trace(trace: str) -> str:
+    """The label of a number computed by replaying a routing trace (deterministic: the same on any machine)."""
+    return f"computed from trace ({trace})"
+
+
+FAST_NOTE = "fast mode: small sizes, not comparable to the paper (run without --fast for the full sizes)"
+
+
 @dataclass
 class Table:
     """A result table: ``columns`` (the first is usually what the row is, the last ``source``), ``rows`` (lists of
@@ -122,8 +130,17 @@ def save_figure(fig, out_dir: str, name: str) -> str:
     return path
 
 
-def print_tables(tables: Sequence[Table], figures: Sequence[str] = (), log=print) -> None:
+def mark_fast(tables: Sequence[Table], fast: bool) -> Sequence[Table]:
+    """In fast mode every table says first that its sizes are small and not comparable to the paper."""
     for t in tables:
+        if fast and FAST_NOTE not in t.notes:
+            t.notes.insert(0, FAST_NOTE)
+    return tables
+
+
+def print_tables(tables: Sequence[Table], figures: Sequence[str] = (), log=print, fast: bool = False) -> None:
+    """Print the tables (in fast mode each says so first) and the figures' paths."""
+    for t in mark_fast(tables, fast):
         log(t.to_markdown())
     for f in figures:
         log(f"figure: {f}")

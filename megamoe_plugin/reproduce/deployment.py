@@ -22,14 +22,14 @@ What is measured, and by which code (this module only drives it and presents the
 
 Each table has the paper's own numbers as ``paper`` rows (only those stated in its text; the figures' bars are not
 read off), and ``anchors`` lines each paper number up with this run's. Cache and balance numbers are computed here
-from the trace (deterministic: the same on any machine), labelled ``measured here (CPU)``.
+from the trace (deterministic: the same on any machine), labelled ``computed from trace (<trace>)``.
 """
 from __future__ import annotations
 
 import os
 from typing import Dict, List, Optional
 
-from .common import PAPER, Table, header, print_tables, save_figure, shipped_trace
+from .common import mark_fast, PAPER, Table, from_trace, header, print_tables, save_figure, shipped_trace
 
 __all__ = ["PAPER_NUMBERS", "CACHE_DEVICES", "BALANCE_DEVICES", "TRACE", "run", "gating_tables", "cache_results",
            "cache_table", "balance_results", "balance_table", "anchors_table"]
@@ -168,7 +168,7 @@ def cache_table(c: dict, trace_desc: str) -> Table:
               fmt="{:.3f}")
     for i, size in enumerate(ident["sizes"]):
         t.add(size, f"{100 * ident['memory_saved'][i]:.1f}%", *[ident["worst"][p][i] for p in CACHE_POLICIES],
-              *[bal["worst"][p][i] for p in BALANCED_POLICIES], CPU)
+              *[bal["worst"][p][i] for p in BALANCED_POLICIES], from_trace(trace_desc))
     P = PAPER_NUMBERS
     t.add(P["cache_sizes"], f"{P['total_memory_saved']} of total static memory", "falls faster above 5",
           "above LIFO", "-", "-", "lowest", "close to Belady", "-", "-", PAPER)
@@ -199,7 +199,7 @@ def balance_table(b: Dict[int, dict], devices: int, batches: int, trace_desc: st
               ["layer", "placement", "Max Load", "Avg Max Load", "source"], fmt="{:.3f}")
     for lid, res in b.items():
         for name in ("identity", "greedy", "anticorrelation"):
-            t.add(lid, name, res[name]["max_load"], res[name]["avg_max_load"], CPU)
+            t.add(lid, name, res[name]["max_load"], res[name]["avg_max_load"], from_trace(trace_desc))
     P = PAPER_NUMBERS
     t.add("LM (paper)", "identity (original order)", f"> {P['load_before']:g}", f"> {P['load_before']:g}", PAPER)
     t.add("LM (paper)", "greedy", f"< {P['load_after']:g}", f"< {P['load_after']:g}", PAPER)
@@ -213,7 +213,8 @@ def balance_table(b: Dict[int, dict], devices: int, batches: int, trace_desc: st
 
 
 # --- anchors ----------------------------------------------------------------------------------------------------------
-def anchors_table(gating: Optional[dict], cache: dict, bal: Dict[int, dict], bal_devices: int) -> Table:
+def anchors_table(gating: Optional[dict], cache: dict, bal: Dict[int, dict], bal_devices: int,
+                  trace_desc: str = TRACE) -> Table:
     P = PAPER_NUMBERS
     a = Table("anchors", "MoE deployment (paper 004): the paper's numbers and this run's",
               ["figure", "quantity", "value", "source"])
@@ -249,6 +250,7 @@ def anchors_table(gating: Optional[dict], cache: dict, bal: Dict[int, dict], bal
         a.add("Fig. 10", "largest batch, static / dynamic gating",
               f"{lbs(static)} / {lbs(dyn)} (within {s['budget_mb']:g} MiB of activations)", src)
 
+    trace_label = from_trace(trace_desc)
     ident, balc = cache["identity"], cache["balanced"]
     sizes = ident["sizes"]
     a.add("Fig. 12", "LIFO vs FIFO (worst-case miss rate)", "LIFO better than FIFO", PAPER)
@@ -256,25 +258,25 @@ def anchors_table(gating: Optional[dict], cache: dict, bal: Dict[int, dict], bal
     lf = [(ident["worst"]["lifo"][i], ident["worst"]["fifo"][i]) for i in mid]
     a.add("Fig. 12", "LIFO vs FIFO (worst-case miss rate)",
           f"LIFO below FIFO at {sum(l < f for l, f in lf)}, equal at {sum(l == f for l, f in lf)}, above at "
-          f"{sum(l > f for l, f in lf)} of the {len(mid)} sizes between 1 and a full cache", CPU)
+          f"{sum(l > f for l, f in lf)} of the {len(mid)} sizes between 1 and a full cache", trace_label)
     a.add("Fig. 12", "LIFO with load balancing vs Belady", "very close to Belady's MIN", PAPER)
     gap = lambda c: max(l - b for l, b in zip(c["worst"]["lifo"], c["worst"]["belady"]))     # noqa: E731
     a.add("Fig. 12", "LIFO with load balancing vs Belady",
-          f"largest LIFO - Belady gap over sizes: {gap(ident):.3f} contiguous, {gap(balc):.3f} balanced", CPU)
+          f"largest LIFO - Belady gap over sizes: {gap(ident):.3f} contiguous, {gap(balc):.3f} balanced", trace_label)
     a.add("§VI", "static memory reduction at a tolerable miss rate",
           f"up to {P['static_memory_reduction']:g}x (MT decoder)", PAPER)
     half = min(sizes, key=lambda c: abs(c - ident["experts_per_device"] / 2))
     i = sizes.index(half)
     a.add("§VI", "static memory reduction at a tolerable miss rate",
           f"cache {half} of {ident['experts_per_device']}: expert memory / "
-          f"{ident['experts_per_device'] / half:.2f}, worst-case LIFO miss rate {ident['worst']['lifo'][i]:.3f}", CPU)
+          f"{ident['experts_per_device'] / half:.2f}, worst-case LIFO miss rate {ident['worst']['lifo'][i]:.3f}", trace_label)
     a.add("Fig. 14", "Max Load, original order -> greedy", f"> {P['load_before']:g} -> < {P['load_after']:g} (LM)",
           PAPER)
     mean = lambda key, name: sum(r[name][key] for r in bal.values()) / len(bal)       # noqa: E731
     a.add("Fig. 14", "Max Load, original order -> greedy",
           f"{mean('max_load', 'identity'):.3f} -> {mean('max_load', 'greedy'):.3f} (mean over {len(bal)} layers; Avg "
           f"Max Load {mean('avg_max_load', 'identity'):.3f} -> {mean('avg_max_load', 'greedy'):.3f}; {bal_devices} "
-          f"devices, perfect = {1 / bal_devices:.3f})", CPU)
+          f"devices, perfect = {1 / bal_devices:.3f})", trace_label)
     return a
 
 
@@ -404,7 +406,7 @@ def run(out_dir: str, fast: bool, log=print, trace: Optional[str] = None, gating
     bal = balance_results(tr, BALANCE_DEVICES)
     tables.append(balance_table(bal, BALANCE_DEVICES, S, desc))
     figures.append(save_figure(figure14(bal, BALANCE_DEVICES), out_dir, "fig14_load_balance"))
-    tables.append(anchors_table(gres, cache, bal, BALANCE_DEVICES))
-    paths = [t.write(out_dir) for t in tables]
-    print_tables(tables, figures, log)
+    tables.append(anchors_table(gres, cache, bal, BALANCE_DEVICES, desc))
+    paths = [t.write(out_dir) for t in mark_fast(tables, fast)]
+    print_tables(tables, figures, log, fast=fast)
     return {"tables": paths, "figures": figures}

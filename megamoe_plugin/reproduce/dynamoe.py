@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from typing import Dict, List, Optional
 
-from .common import PAPER, Table, header, print_tables, save_figure
+from .common import mark_fast, PAPER, Table, header, print_tables, save_figure
 
 __all__ = ["PAPER_NUMBERS", "run", "tables_from_results", "interp_static_drop"]
 
@@ -192,8 +192,8 @@ def run(out_dir: str, fast: bool, log=print, seed: int = 0) -> dict:
     log(header("dynamoe", fast, f"megamoe bench dynamic, {'quick' if fast else 'default'} setting"))
     res = bench.run(setting, seed=seed, log=log)
     tables = tables_from_results(res)
-    paths = [t.write(out_dir) for t in tables]
+    paths = [t.write(out_dir) for t in mark_fast(tables, fast)]
     figures = [save_figure(figure9(res), out_dir, "fig9_runtime_vs_loss"),
                save_figure(figure10(res), out_dir, "fig10_cached_fraction")]
-    print_tables(tables, figures, log)
+    print_tables(tables, figures, log, fast=fast)
     return {"tables": paths, "figures": figures}

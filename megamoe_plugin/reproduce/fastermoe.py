@@ -51,7 +51,7 @@ from typing import Dict, List, Optional
 
 import torch
 
-from .common import (PAPER, Table, fork_processes, header, measured, predicted, print_tables, save_figure,
+from .common import (mark_fast, PAPER, Table, fork_processes, header, measured, predicted, print_tables, save_figure,
                      shipped_trace)
 from .tamoe import (common_target, machine_note, offnode_share, time_to_target,
                     train_in_workers, warm_up_in_workers)
@@ -398,9 +398,9 @@ def run(out_dir: str, fast: bool, log=print, cluster_results=None) -> dict:
     tables.append(t3)
     figs.append(_plot_table3(out_dir, runs, target))
 
-    md = [t.write(out_dir) for t in tables]
+    md = [t.write(out_dir) for t in mark_fast(tables, fast)]
     log(header("fastermoe", fast, f"{time.perf_counter() - t_start:.0f} s"))
-    print_tables(tables, figs, log)
+    print_tables(tables, figs, log, fast=fast)
     return {"tables": md, "figures": figs}
 
 

@@ -56,7 +56,7 @@ from typing import List, Optional, Sequence, Tuple
 
 import torch
 
-from .common import (PAPER, Table, fork_processes, header, measured, predicted, print_tables, save_figure,
+from .common import (mark_fast, PAPER, Table, fork_processes, header, measured, predicted, print_tables, save_figure,
                      shipped_trace)
 
 __all__ = ["run", "cost_model_accuracy", "quality_with_drops", "efficiency_over_training", "scaling"]
@@ -638,8 +638,8 @@ def _run(out_dir: str, fast: bool, log) -> dict:
     figures += f
     order = ["fig6c_cost_model", "fig6c_error_summary", "table2_quality", "fig7a_efficiency", "fig7b_scaling"]
     tables.sort(key=lambda t: order.index(t.name) if t.name in order else len(order))
-    paths = [t.write(out_dir) for t in tables]
-    print_tables(tables, figures, log)
+    paths = [t.write(out_dir) for t in mark_fast(tables, fast)]
+    print_tables(tables, figures, log, fast=fast)
     log(f"megamoe reproduce flexmoe: {len(paths)} tables, {len(figures)} figures in {out_dir} "
         f"({time.perf_counter() - t0:.0f} s)")
     return {"tables": paths, "figures": figures}

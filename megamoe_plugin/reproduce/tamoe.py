@@ -52,7 +52,7 @@ from typing import Dict, List, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from .common import PAPER, Table, fork_processes, header, measured, predicted, print_tables, save_figure
+from .common import mark_fast, PAPER, Table, fork_processes, header, measured, predicted, print_tables, save_figure
 
 __all__ = ["run", "PAPER_TABLE1", "PATTERNS", "fitted_topology", "train_in_workers",
            "warm_up_in_workers", "time_to_target", "common_target", "offnode_share", "machine_note"]
@@ -434,10 +434,10 @@ def run(out_dir: str, fast: bool, log=print, cluster_results: Optional[str] = No
     ]
 
     tables = [t1, conv]
-    md = [t.write(out_dir) for t in tables]
+    md = [t.write(out_dir) for t in mark_fast(tables, fast)]
     figs = [_plot_table1(out_dir, t1_rows(pred, meas, patterns)), _plot_convergence(out_dir, runs, target)]
     log(header("tamoe", fast, f"{time.perf_counter() - t_start:.0f} s"))
-    print_tables(tables, figs, log)
+    print_tables(tables, figs, log, fast=fast)
     return {"tables": md, "figures": figs}
 
 
