@@ -204,120 +204,143 @@ class MoEConfig:
             setattr(self, f.name, v)
 
     def validate(self):
-        def bad(name, msg):
-            raise ConfigError(f"{flag(name)}={getattr(self, name)!r}: {msg}")
+        """Every option checked; a ``ConfigError`` names the flag and the value. Called by the constructor."""
+        gate_cls = self._validate_routing()
+        world = self._validate_experts_and_parallel()
+        self._validate_placement()
+        self._validate_dynamic()
+        self._validate_inference_and_topology(gate_cls, world)
 
+    def _bad(self, name, msg):
+        raise ConfigError(f"{flag(name)}={getattr(self, name)!r}: {msg}")
+
+    def _validate_routing(self):
+        """Gate, top-k, the choices, capacity and loss coefficients."""
         if self.num_experts < 1:
-            bad("num_experts", "must be >= 1")
+            self._bad("num_experts", "must be >= 1")
         gate_cls = gate_class(self.gate)
         if gate_cls is None:
-            bad("gate", f"unknown gate; known: {', '.join(sorted(registered_gates()))}")
+            self._bad("gate", f"unknown gate; known: {', '.join(sorted(registered_gates()))}")
         if self.top_k < 1:
-            bad("top_k", "must be >= 1")
+            self._bad("top_k", "must be >= 1")
         if self.top_k > self.num_experts:
-            bad("top_k", f"cannot exceed --moe-num-experts={self.num_experts}")
+            self._bad("top_k", f"cannot exceed --moe-num-experts={self.num_experts}")
         gate_cls.validate_config(self)                  # the gate's own rules (top-k, ...)
         for name in ("dispatch", "activation", "second_expert_policy", "cpu_gemm", "expert_kernel", "schedule", "nonfinite"):
             choices = _field(name).metadata["choices"]
             if getattr(self, name) not in choices:
-                bad(name, f"must be one of {', '.join(choices)}")
+                self._bad(name, f"must be one of {', '.join(choices)}")
         try:
             parse_gate_sync(self.gate_sync, self.gate)
         except ValueError as e:
-            bad("gate_sync", str(e))
+            self._bad("gate_sync", str(e))
         if not self.capacity_factor > 0:
-            bad("capacity_factor", "must be > 0")
+            self._bad("capacity_factor", "must be > 0")
         if self.eval_capacity_factor < 0:
-            bad("eval_capacity_factor", "must be >= 0 (0 = dropless at inference)")
+            self._bad("eval_capacity_factor", "must be >= 0 (0 = dropless at inference)")
         if self.min_capacity < 0:
-            bad("min_capacity", "must be >= 0")
+            self._bad("min_capacity", "must be >= 0")
         if self.jitter_eps < 0 or self.jitter_eps >= 1:
-            bad("jitter_eps", "must be in [0, 1)")
+            self._bad("jitter_eps", "must be in [0, 1)")
         for name in ("aux_loss_coeff", "z_loss_coeff", "init_std", "ta_moe_exchange_mb"):
             if getattr(self, name) < 0:
-                bad(name, "must be >= 0")
+                self._bad(name, "must be >= 0")
         if not 0.0 <= self.ta_moe_smoothing <= 1.0:
-            bad("ta_moe_smoothing", "must be in [0, 1]")
+            self._bad("ta_moe_smoothing", "must be in [0, 1]")
         if not self.hir_budget_scale > 0:
-            bad("hir_budget_scale", "must be > 0")
+            self._bad("hir_budget_scale", "must be > 0")
+        return gate_cls
+
+    def _validate_experts_and_parallel(self):
+        """Experts, expert parallelism and the smart schedule."""
         if self.cpu_expert_lanes < 0:
-            bad("cpu_expert_lanes", "must be >= 0 (0 = automatic)")
+            self._bad("cpu_expert_lanes", "must be >= 0 (0 = automatic)")
         if self.expert_ffn_hidden_size < 0:
-            bad("expert_ffn_hidden_size", "must be >= 0")
+            self._bad("expert_ffn_hidden_size", "must be >= 0")
         if self.expert_parallel_size < 1:
-            bad("expert_parallel_size", "must be >= 1")
+            self._bad("expert_parallel_size", "must be >= 1")
         if self.world_size < 0:
-            bad("world_size", "must be >= 0")
+            self._bad("world_size", "must be >= 0")
         world = self.resolved_world_size()
         if world % self.expert_parallel_size:
-            bad("expert_parallel_size", f"does not fit a world of {world} rank(s): the expert-parallel size must "
+            self._bad("expert_parallel_size", f"does not fit a world of {world} rank(s): the expert-parallel size must "
                                         f"divide the world size")
         if self.num_experts % self.expert_parallel_size:
-            bad("num_experts", f"must be divisible by --moe-expert-parallel-size={self.expert_parallel_size}")
+            self._bad("num_experts", f"must be divisible by --moe-expert-parallel-size={self.expert_parallel_size}")
         if self.schedule == "smart" and self.dispatch != "dropless":
-            bad("schedule", "the smart schedule pipelines dropless dispatch only, not capacity dispatch "
+            self._bad("schedule", "the smart schedule pipelines dropless dispatch only, not capacity dispatch "
                             "(see --moe-dispatch)")
         if self.smart_groups < 0:
-            bad("smart_groups", "must be >= 0 (0 = one group per node of the topology)")
+            self._bad("smart_groups", "must be >= 0 (0 = one group per node of the topology)")
         if self.smart_groups and self.expert_parallel_size % self.smart_groups:
-            bad("smart_groups", f"must divide --moe-expert-parallel-size={self.expert_parallel_size}")
+            self._bad("smart_groups", f"must divide --moe-expert-parallel-size={self.expert_parallel_size}")
+        return world
+
+    def _validate_placement(self):
+        """FlexMoE / shadowing placement."""
         if self.placement_interval < 0:
-            bad("placement_interval", "must be >= 1, or 0 for automatic")
+            self._bad("placement_interval", "must be >= 1, or 0 for automatic")
         if not self.placement:
-            bad("placement", "must not be empty (use 'none')")
+            self._bad("placement", "must not be empty (use 'none')")
         if self.placement_threshold < 1.0:
-            bad("placement_threshold", "must be >= 1 (the balance ratio is >= 1)")
+            self._bad("placement_threshold", "must be >= 1 (the balance ratio is >= 1)")
         if self.placement_spare_slots < -1:
-            bad("placement_spare_slots", "must be >= 0, or -1 for automatic")
+            self._bad("placement_spare_slots", "must be >= 0, or -1 for automatic")
         if self.placement_max_moves < 0:
-            bad("placement_max_moves", "must be >= 0")
+            self._bad("placement_max_moves", "must be >= 0")
         if self.placement_group_cache < 1:
-            bad("placement_group_cache", "must be >= 1")
+            self._bad("placement_group_cache", "must be >= 1")
+
+    def _validate_dynamic(self):
+        """DynaMoE: dynamic capacity, static graphs, assignment cache."""
         for name in ("capacity_policy", "expert_graph"):
             if getattr(self, name) not in _field(name).metadata["choices"]:
-                bad(name, f"must be one of {', '.join(_field(name).metadata['choices'])}")
+                self._bad(name, f"must be one of {', '.join(_field(name).metadata['choices'])}")
         if self.capacity_policy == "dynamic" and self.dispatch != "capacity":
-            bad("capacity_policy", "dynamic capacity changes the capacity dispatch's shapes; use "
+            self._bad("capacity_policy", "dynamic capacity changes the capacity dispatch's shapes; use "
                                    "--moe-dispatch capacity (dropless dispatch has no capacity)")
         if self.expert_graph != "none" and self.dispatch != "capacity":
-            bad("expert_graph", "static-shape expert graphs need --moe-dispatch capacity (dropless shapes change "
+            self._bad("expert_graph", "static-shape expert graphs need --moe-dispatch capacity (dropless shapes change "
                                 "every call)")
         if self.capacity_headroom < 0:
-            bad("capacity_headroom", "must be >= 0")
+            self._bad("capacity_headroom", "must be >= 0")
         if not 0.0 <= self.capacity_smoothing < 1.0:
-            bad("capacity_smoothing", "must be in [0, 1)")
+            self._bad("capacity_smoothing", "must be in [0, 1)")
         if self.capacity_spread < 0:
-            bad("capacity_spread", "must be >= 0")
+            self._bad("capacity_spread", "must be >= 0")
         if self.capacity_hysteresis < 0:
-            bad("capacity_hysteresis", "must be >= 0")
+            self._bad("capacity_hysteresis", "must be >= 0")
         if self.capacity_quantum < 1:
-            bad("capacity_quantum", "must be >= 1")
+            self._bad("capacity_quantum", "must be >= 1")
         if self.capacity_min_interval < 1:
-            bad("capacity_min_interval", "must be >= 1")
+            self._bad("capacity_min_interval", "must be >= 1")
+
+    def _validate_inference_and_topology(self, gate_cls, world):
+        """Inference deployment options and the topology."""
         if self.expert_cache_size < 0:
-            bad("expert_cache_size", "must be >= 0 (0 = expert buffering off)")
+            self._bad("expert_cache_size", "must be >= 0 (0 = expert buffering off)")
         if self.expert_cache_policy not in EXPERT_CACHE_POLICIES:
-            bad("expert_cache_policy", f"must be one of {', '.join(EXPERT_CACHE_POLICIES)}")
+            self._bad("expert_cache_policy", f"must be one of {', '.join(EXPERT_CACHE_POLICIES)}")
         if self.placement_file and not os.path.isfile(self.placement_file):
-            bad("placement_file", "no such file (write one with `megamoe balance`)")
+            self._bad("placement_file", "no such file (write one with `megamoe balance`)")
         if self.recompile_delta_launch < 0:
-            bad("recompile_delta_launch", "must be >= 0")
+            self._bad("recompile_delta_launch", "must be >= 0")
         for name in ("assignment_cache_on", "assignment_cache_off"):
             if not 0.0 <= getattr(self, name) <= 1.0:
-                bad(name, "must be a fraction in [0, 1]")
+                self._bad(name, "must be a fraction in [0, 1]")
         if self.assignment_cache_off > self.assignment_cache_on:
-            bad("assignment_cache_off", f"must not exceed --moe-assignment-cache-on={self.assignment_cache_on}")
+            self._bad("assignment_cache_off", f"must not exceed --moe-assignment-cache-on={self.assignment_cache_on}")
         if self.assignment_cache_min_epoch < 0:
-            bad("assignment_cache_min_epoch", "must be >= 0")
+            self._bad("assignment_cache_min_epoch", "must be >= 0")
         if self.assignment_cache_positions < 0:
-            bad("assignment_cache_positions", "must be >= 0 (0 = the trainer's sequence length)")
+            self._bad("assignment_cache_positions", "must be >= 0 (0 = the trainer's sequence length)")
         if gate_cls.needs_topology or self.topology:
             try:
                 topo = self.build_topology()
             except ValueError as e:
                 raise ConfigError(f"{flag('topology')}={self.topology!r}: {e}") from None
             if topo.num_ranks != world:
-                bad("topology", f"describes {topo.num_ranks} ranks but the world size is {world}")
+                self._bad("topology", f"describes {topo.num_ranks} ranks but the world size is {world}")
 
     # ------------------------------------------------------------------------------------------------------------
     def resolved_world_size(self) -> int:

@@ -600,6 +600,59 @@ def _resume(ckpt, model, optimizer, cfg: MoEConfig, ps: ParallelState, log) -> d
     return state
 
 
+def _log_setup(log, args, cfg: MoEConfig, ps: ParallelState, corpus, model, warmup: int, setup_s: float) -> None:
+    """The run's first lines: corpus, model, MoE options, parallel layout."""
+    n_moe = len(moe_layers(model))
+    log(f"megamoe train | {corpus!r}")
+    log(f"model: {args.layers} layers ({n_moe} MoE, every {args.moe_every}), hidden {args.hidden}, heads "
+        f"{args.heads}, ffn {args.ffn_hidden}, seq {args.seq_len}, vocab {corpus.vocab_size} | params "
+        f"{model.num_parameters() / 1e6:.2f}M on rank 0 ({model.num_parameters(active=True) / 1e6:.2f}M active "
+        f"per token)")
+    log(f"moe: {cfg.num_experts} experts, gate {cfg.gate} top-{cfg.top_k}, dispatch {cfg.dispatch}"
+        + (f" (capacity factor {cfg.capacity_factor})" if cfg.dispatch == "capacity" else "")
+        + f", aux {cfg.aux_loss_coeff}, z {cfg.z_loss_coeff}, activation {cfg.activation}")
+    log(f"parallel: world {ps.world_size}, expert-parallel {ps.ep_size} ({cfg.num_local_experts} local experts), "
+        f"batch {args.batch_size}x{args.seq_len} per rank, {args.threads} thread(s) | steps {args.steps}, "
+        f"lr {args.lr} warmup {warmup} cosine | setup {setup_s:.1f}s")
+
+
+def _dynamic_runtime(cfg: MoEConfig, args, model, ps: ParallelState, state: dict):
+    """DynaMoE's runtime (--moe-capacity-policy dynamic / --moe-assignment-cache), restored from a checkpoint's
+    per-rank states (merged when the world size changed); None when off."""
+    if not dynamic_enabled(cfg):
+        return None
+    dcfg = cfg if cfg.assignment_cache_positions else cfg.replace(assignment_cache_positions=args.seq_len)
+    dynamic = DynamicRuntime(dcfg, {m.layer_id: m for m in moe_layers(model)},
+                             group=dist.group.WORLD if ps.distributed else None)
+    saved = state.get("dynamic")
+    if saved:
+        mine = dict(saved[ps.rank] if len(saved) == ps.world_size else saved[0])
+        if len(saved) != ps.world_size and any("cache" in d for d in saved):
+            mine["cache"] = AssignmentCache.merge_states([d["cache"] for d in saved if "cache" in d])
+        dynamic.load_state_dict(mine)
+    return dynamic
+
+
+def _progress_line(record: dict, steps: int, hook: AfterStepHook, dynamic, ps: ParallelState) -> str:
+    """One log line; adds the placement and DynaMoE metrics to ``record`` as it reports them."""
+    line = (f"step {record['step']:5d}/{steps} | loss {record['loss']:.4f} | lm {record['lm_loss']:.4f} | aux "
+            f"{record['aux_loss']:.4f} | lr {record['lr']:.2e} | gnorm {record['grad_norm']:.2f} | "
+            f"{record['tokens_per_s']:,.0f} tok/s")
+    placed = getattr(hook.policy, "metrics", None)
+    if placed:
+        line += (f" | placement moves {hook.policy.total_moves} replicas {placed['replicas']:.0f} "
+                 f"balance {placed['balance_ratio']:.2f}->{placed['balance_ratio_next']:.2f}")
+    dyn = dynamic.metrics() if dynamic is not None else {}
+    if dyn:
+        line += " | dynamic " + format_dynamic_metrics(dyn)
+    if record["moe"]:
+        # device balance (experts in contiguous blocks over the ranks) only when EP spans the world
+        line += " | " + format_load(record["moe"], show_device_balance=1 < ps.ep_size == ps.world_size)
+    record["dynamic"] = dyn
+    record["placement"] = dict(placed or {}, moves_total=getattr(hook.policy, "total_moves", 0))
+    return line
+
+
 def _train(parser, args, cfg: MoEConfig, ps: ParallelState, hook: AfterStepHook, ckpt) -> TrainResult:
     def log(msg: str) -> None:
         if ps.is_main:
@@ -632,32 +685,10 @@ def _train(parser, args, cfg: MoEConfig, ps: ParallelState, hook: AfterStepHook,
         tracer = TraceRecorder(trace_path, ps.rank, ps.world_size, cfg.num_experts, cfg.top_k, cfg.trace_token_ids)
         stats.listeners.append(tracer)
 
-    n_moe = len(moe_layers(model))
-    log(f"megamoe train | {corpus!r}")
-    log(f"model: {args.layers} layers ({n_moe} MoE, every {args.moe_every}), hidden {args.hidden}, heads "
-        f"{args.heads}, ffn {args.ffn_hidden}, seq {args.seq_len}, vocab {corpus.vocab_size} | params "
-        f"{model.num_parameters() / 1e6:.2f}M on rank 0 ({model.num_parameters(active=True) / 1e6:.2f}M active "
-        f"per token)")
-    log(f"moe: {cfg.num_experts} experts, gate {cfg.gate} top-{cfg.top_k}, dispatch {cfg.dispatch}"
-        + (f" (capacity factor {cfg.capacity_factor})" if cfg.dispatch == "capacity" else "")
-        + f", aux {cfg.aux_loss_coeff}, z {cfg.z_loss_coeff}, activation {cfg.activation}")
-    log(f"parallel: world {ps.world_size}, expert-parallel {ps.ep_size} ({cfg.num_local_experts} local experts), "
-        f"batch {args.batch_size}x{args.seq_len} per rank, {args.threads} thread(s) | steps {args.steps}, "
-        f"lr {args.lr} warmup {warmup} cosine | setup {time.perf_counter() - t0:.1f}s")
+    _log_setup(log, args, cfg, ps, corpus, model, warmup, time.perf_counter() - t0)
     if start:
         log(f"resumed from {args.resume} at step {start}")
-
-    dynamic = None                     # --moe-capacity-policy dynamic / --moe-assignment-cache (DynaMoE)
-    if dynamic_enabled(cfg):
-        dcfg = cfg if cfg.assignment_cache_positions else cfg.replace(assignment_cache_positions=args.seq_len)
-        dynamic = DynamicRuntime(dcfg, {m.layer_id: m for m in moe_layers(model)},
-                                 group=dist.group.WORLD if ps.distributed else None)
-        if start and state.get("dynamic"):
-            saved = state["dynamic"]
-            mine = dict(saved[ps.rank] if len(saved) == ps.world_size else saved[0])
-            if len(saved) != ps.world_size and any("cache" in d for d in saved):
-                mine["cache"] = AssignmentCache.merge_states([d["cache"] for d in saved if "cache" in d])
-            dynamic.load_state_dict(mine)
+    dynamic = _dynamic_runtime(cfg, args, model, ps, state if start else {})
     result = TrainResult(step=start, model=model, optimizer=optimizer, moe_config=cfg, start_step=start)
     gate_sync = GateSync(cfg, dist.group.WORLD if ps.distributed else None)
     world_group = dist.group.WORLD if ps.distributed else None
@@ -714,26 +745,11 @@ def _train(parser, args, cfg: MoEConfig, ps: ParallelState, hook: AfterStepHook,
             if ps.distributed:
                 dist.all_reduce(acc, group=world_group)
             mean = (acc / (max(acc_steps, 1) * ps.world_size)).tolist()
-            summary = stats.summary(group=world_group)
-            elapsed = time.perf_counter() - t_last
-            tps = acc_steps * tokens_per_step / max(elapsed, 1e-9)
-            line = (f"step {done:5d}/{args.steps} | loss {mean[0]:.4f} | lm {mean[1]:.4f} | aux {mean[2]:.4f} | "
-                    f"lr {lr:.2e} | gnorm {gnorm:.2f} | {tps:,.0f} tok/s")
-            placed = getattr(hook.policy, "metrics", None)
-            if placed:
-                line += (f" | placement moves {hook.policy.total_moves} replicas {placed['replicas']:.0f} "
-                         f"balance {placed['balance_ratio']:.2f}->{placed['balance_ratio_next']:.2f}")
-            dyn = dynamic.metrics() if dynamic is not None else {}
-            if dyn:
-                line += " | dynamic " + format_dynamic_metrics(dyn)
-            if summary:
-                # device balance (experts in contiguous blocks over the ranks) only when EP spans the world
-                line += " | " + format_load(summary, show_device_balance=1 < ps.ep_size == ps.world_size)
-            log(line)
-            result.history.append({"step": done, "loss": mean[0], "lm_loss": mean[1], "aux_loss": mean[2],
-                                   "lr": lr, "grad_norm": gnorm, "tokens_per_s": tps, "moe": summary,
-                                   "dynamic": dyn, "placement": dict(placed or {},
-                                                                     moves_total=getattr(hook.policy, "total_moves", 0))})
+            tps = acc_steps * tokens_per_step / max(time.perf_counter() - t_last, 1e-9)
+            record = {"step": done, "loss": mean[0], "lm_loss": mean[1], "aux_loss": mean[2], "lr": lr,
+                      "grad_norm": gnorm, "tokens_per_s": tps, "moe": stats.summary(group=world_group)}
+            log(_progress_line(record, args.steps, hook, dynamic, ps))
+            result.history.append(record)
             acc.zero_()
             acc_steps = 0
             t_last = time.perf_counter()
