@@ -71,6 +71,7 @@ from torch.utils._pytree import tree_flatten
 from ..config import MoEConfig
 from ..cpu_alloc import retain_freed_memory
 from ..gates.base import capacity_from_factor
+from ..experts.activations import activation
 from ..layer import MoELayer
 from ..models import TinyMoEGPT
 
@@ -198,15 +199,6 @@ class CudaPeak:
 
 
 # --- the static-gating baseline: GShard einsum with dense [T, E, C] masks --------------------------------------------
-def _activation(h: torch.Tensor, name: str) -> torch.Tensor:
-    if name == "gelu":
-        return F.gelu(h)
-    if name == "relu":
-        return F.relu(h)
-    g, u = h.chunk(2, dim=-1)
-    return F.silu(g) * u
-
-
 class GShardEinsumMoE(nn.Module):
     """Static gating at inference as fairseq's moe branch (top2gating + MOELayer) and DeepSpeed-MoE compute it,
     on an existing ``MoELayer``'s gate and expert weights (shared, not copied).
@@ -263,7 +255,7 @@ class GShardEinsumMoE(nn.Module):
         h = torch.einsum("ech,ehf->ecf", expert_in, bank.w1)
         if bank.b1 is not None:
             h = h + bank.b1[:, None, :]
-        out = torch.einsum("ecf,efh->ech", _activation(h, bank.activation), bank.w2)
+        out = torch.einsum("ecf,efh->ech", activation(h, bank.activation), bank.w2)
         if bank.b2 is not None:
             out = out + bank.b2[:, None, :]
         y = torch.einsum("tec,ech->th", combine, out)

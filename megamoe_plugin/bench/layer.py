@@ -31,59 +31,18 @@ from typing import Callable, Dict, List, Optional
 import torch
 import torch.nn.functional as F
 
-from ..config import MoEConfig
 from ..cpu_alloc import retain_freed_memory
-from ..layer import MoELayer
 from .layer_inputs import CONFIGS, make_inputs, route
+from .ours import megatron_peer, ours
 from .report import emit_report
 from ..progress import Progress
 
-__all__ = ["CONFIGS", "make_inputs", "route", "emit_report", "main"]
+__all__ = ["CONFIGS", "make_inputs", "route", "emit_report", "ours", "main"]
 
 # --- implementations: each returns a callable running one forward+backward, and its dispatch-buffer bytes --------
-def ours(x, wg, w1, w2, k, dispatch="dropless", cf=1.0, cpu_gemm="auto"):
-    E, H, F_ = w1.shape
-    cfg = MoEConfig(num_experts=E, top_k=k, gate="naive", dispatch=dispatch, capacity_factor=cf, min_capacity=0,
-                    aux_loss_coeff=0.0, cpu_gemm=cpu_gemm)
-    layer = MoELayer(cfg, H, F_)
-    with torch.no_grad():
-        layer.gate.weight.copy_(wg); layer.experts.w1.copy_(w1); layer.experts.w2.copy_(w2)
-    xin = x.clone().requires_grad_()
-    grad = torch.ones_like(x)
-
-    def step():
-        for p in layer.parameters():
-            p.grad = None
-        xin.grad = None
-        layer(xin).backward(grad)
-
-    T = x.shape[0]
-    if dispatch == "dropless":
-        rows = T * k
-    else:
-        rows = E * max(int(math.ceil(cf * T * k / E)), 0)
-    # token buffer sent to experts + the same rows gathered back for the combine; index vectors (int64)
-    nbytes = 2 * rows * H * 4 + 3 * T * k * 8
-    return step, nbytes, layer
-
-
 def megatron(x, wg, w1, w2, k):
-    from ..megatron_adapter.peer import build_megatron_moe_layer, load_expert_weights, load_router_weight
-
     E, H, F_ = w1.shape
-    layer = build_megatron_moe_layer(H, F_, E, k)
-    load_expert_weights(layer, w1, w2)
-    load_router_weight(layer, wg)
-    xin = x.clone().view(x.shape[0], 1, H).requires_grad_()
-    grad = torch.ones_like(xin)
-
-    def step():
-        for p in layer.parameters():
-            p.grad = None
-        xin.grad = None
-        out, _ = layer(xin)
-        out.backward(grad)
-
+    step, layer = megatron_peer(x, wg, w1, w2, k)
     T = x.shape[0]
     # routing map [T, E] bool + probs [T, E] fp32, permuted tokens [T*k, H] out and back
     nbytes = T * E * (1 + 4) + 2 * T * k * H * 4

@@ -19,9 +19,8 @@ from typing import Callable, Dict, List, Optional
 
 import torch
 
-from ..config import MoEConfig
 from ..experts import GroupedExpertMM, offsets_from_counts
-from ..layer import MoELayer
+from .ours import megatron_peer, ours
 from .layer_inputs import CONFIGS, make_inputs, route
 from .report import emit_report
 
@@ -36,41 +35,12 @@ def card_peak(name: str) -> Optional[float]:
 
 
 def _ours(x, wg, w1, w2, k, kernel, dtype, device):
-    E, H, F_ = w1.shape
-    cfg = MoEConfig(num_experts=E, top_k=k, gate="naive", aux_loss_coeff=0.0, expert_kernel=kernel)
-    layer = MoELayer(cfg, H, F_)
-    with torch.no_grad():
-        layer.gate.weight.copy_(wg); layer.experts.w1.copy_(w1); layer.experts.w2.copy_(w2)
-    layer = layer.to(device=device, dtype=dtype)
-    xin = x.to(device=device, dtype=dtype).requires_grad_()
-    grad = torch.ones_like(xin)
-
-    def step():
-        for p in layer.parameters():
-            p.grad = None
-        xin.grad = None
-        layer(xin).backward(grad)
+    step, _, layer = ours(x, wg, w1, w2, k, kernel=kernel, device=device, dtype=dtype)
     return step, layer
 
 
 def _megatron(x, wg, w1, w2, k, dtype, device, grouped=False, te=False):
-    from ..megatron_adapter.peer import build_megatron_moe_layer, load_expert_weights, load_router_weight
-    E, H, F_ = w1.shape
-    layer = build_megatron_moe_layer(H, F_, E, k, dtype=torch.float32, grouped_gemm=grouped, use_te=te)
-    if not (grouped or te):
-        load_expert_weights(layer, w1, w2)
-    load_router_weight(layer, wg)
-    layer = layer.to(device=device, dtype=dtype)
-    xin = x.to(device=device, dtype=dtype).view(x.shape[0], 1, H).requires_grad_()
-    grad = torch.ones_like(xin)
-
-    def step():
-        for p in layer.parameters():
-            p.grad = None
-        xin.grad = None
-        out, _ = layer(xin)
-        out.backward(grad)
-    return step, layer
+    return megatron_peer(x, wg, w1, w2, k, device=device, dtype=dtype, grouped=grouped, te=te)
 
 
 def _floor(x, wg, w1, w2, k, dtype, device):

@@ -26,6 +26,8 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from .activations import activation as _act, activation_backward as _act_backward
+
 _ALIGN = 8          # elements: 16 bytes of bf16 / fp16
 
 
@@ -65,24 +67,6 @@ def _tail(offs: torch.Tensor, rows: int) -> torch.Tensor:
     """[rows, 1] True for the rows after the last group."""
     return (torch.arange(rows, device=offs.device) >= offs[-1].to(torch.int64)).unsqueeze(1) if offs.numel() else \
         torch.ones(rows, 1, dtype=torch.bool, device=offs.device)
-
-
-def _act(h, activation):
-    if activation == "gelu":
-        return F.gelu(h)
-    if activation == "relu":
-        return F.relu(h)
-    gate, up = h.chunk(2, dim=-1)
-    return F.silu(gate) * up
-
-
-def _act_backward(da, h, activation):
-    if activation == "gelu":
-        return torch.ops.aten.gelu_backward(da, h)
-    if activation == "relu":
-        return da * (h > 0)
-    gate, up = h.chunk(2, dim=-1)
-    return torch.cat([torch.ops.aten.silu_backward(da * up, gate), da * F.silu(gate)], dim=-1)
 
 
 class GroupedExpertMM(torch.autograd.Function):

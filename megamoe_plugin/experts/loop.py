@@ -15,33 +15,13 @@ markedly faster for fp32. This is the right kernel on a CPU; on a GPU the groupe
 """
 from __future__ import annotations
 
+import os
 from concurrent.futures import ThreadPoolExecutor
 from typing import List, Optional, Sequence, Tuple
 
-import os
-
 import torch
-import torch.nn.functional as F
 
-
-# --- activations, per expert, written into preallocated slices ----------------------------------------------------
-def _act_into(h: torch.Tensor, out: torch.Tensor, activation: str) -> None:
-    if activation == "gelu":
-        torch.ops.aten.gelu.out(h, out=out)
-    elif activation == "relu":
-        torch.clamp_min(h, 0, out=out)
-    else:
-        gate, up = h.chunk(2, dim=-1)
-        torch.mul(F.silu(gate), up, out=out)
-
-
-def _act_backward(da: torch.Tensor, h: torch.Tensor, activation: str) -> torch.Tensor:
-    if activation == "gelu":
-        return torch.ops.aten.gelu_backward(da, h)
-    if activation == "relu":
-        return da * (h > 0)
-    gate, up = h.chunk(2, dim=-1)
-    return torch.cat([torch.ops.aten.silu_backward(da * up, gate), da * F.silu(gate)], dim=-1)
+from .activations import activation_backward as _act_backward, activation_into as _act_into
 
 
 # --- GEMM backends on CPU: BLAS (torch.mm, MKL here) or oneDNN's linear kernel -----------------------------------
