@@ -120,3 +120,25 @@ def test_anchors_pair_paper_and_measured(out):
     text = " ".join(r["value"] for r in rows if r["source"] == "paper")
     for number in ("1.4x", "1.7x", "0.96", "1.15x"):
         assert number in text
+
+
+def test_fig9_over_seeds_spans_each_seeds_own_run(tmp_path):
+    from megamoe_plugin.reproduce import dynamoe
+    threads = torch.get_num_threads()
+    try:
+        res = dynamoe.run(str(tmp_path), fast=True, log=lambda *a: None, seed=0, seeds=2)
+    finally:
+        torch.set_num_threads(threads)
+    assert "fig9_seeds.png" in {os.path.basename(p) for p in res["figures"]}
+    seeds = {r["run"]: r for r in _table(str(tmp_path), "fig9_seeds")}
+    single = {r["run"]: r for r in _table(str(tmp_path), "fig9_runtime_vs_loss") if r["source"] != "paper"}
+    assert set(RUNS) <= set(seeds) and seeds["dynamic vs static at the same accuracy"]["source"] == "paper"
+    for name in RUNS:
+        row = seeds[name]
+        assert row["source"] == "measured here (CPU)"
+        loss_mean, loss_lo, loss_hi = (float(v) for v in row["final valid loss"].replace(" (", " ").replace(")", "")
+                                       .replace("-", " ").split())
+        assert loss_lo <= loss_mean <= loss_hi
+        # seed 0 is one of the seeds: its own run's loss lies inside the range
+        assert loss_lo - 1e-3 <= float(single[name]["final valid loss"]) <= loss_hi + 1e-3, (name, row, single[name])
+    assert seeds["static no-drop"]["speedup vs no-drop (step)"].startswith("1 (1-1)")

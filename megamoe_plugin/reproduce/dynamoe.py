@@ -185,15 +185,79 @@ def figure10(res: dict):
     return fig
 
 
-def run(out_dir: str, fast: bool, log=print, seed: int = 0) -> dict:
+def _spread(values: List[float]) -> str:
+    m = sum(values) / len(values)
+    return f"{m:.4g} ({min(values):.4g}-{max(values):.4g})"
+
+
+def seeds_table(results: List[dict]) -> Table:
+    """Fig. 9 over seeds: per run, the mean and the min-max over the seeds of the step-time speedup over the
+    no-drop static factor, the final validation loss, the dropped fraction and the average capacity factor."""
+    seeds = [r["setup"]["seed"] for r in results]
+    t = Table("fig9_seeds", f"Fig. 9 over {len(seeds)} seeds ({', '.join(map(str, seeds))}): mean (min-max)",
+              ["run", "speedup vs no-drop (step)", "final valid loss", "valid loss - no-drop's", "dropped fraction",
+               "average capacity factor", "source"])
+    by_seed = [{r["name"]: r for r in res["runs"]} for res in results]
+    for name in STATIC + DYNAMIC + ("dynamic+cache",):
+        if not all(name in runs for runs in by_seed):
+            continue
+        sp = [runs["static no-drop"]["step_ms"] / runs[name]["step_ms"] for runs in by_seed]
+        vl = [runs[name]["val_loss"] for runs in by_seed]
+        dl = [runs[name]["val_loss"] - runs["static no-drop"]["val_loss"] for runs in by_seed]
+        dr = [runs[name]["dropped_fraction"] for runs in by_seed]
+        cf = [runs[name]["avg_capacity_factor"] for runs in by_seed]
+        t.add(name, _spread(sp), _spread(vl), _spread(dl), _spread(dr), _spread(cf), CPU)
+    t.add("dynamic vs static at the same accuracy", "1.4x (dynamic), 1.7x (+ caching)", None, "same accuracy",
+          None, None, PAPER)
+    t.notes.append("each seed trains all runs from its own initial weights and data order, interleaved step by "
+                   "step; the spread is over seeds, so a difference smaller than it is not a result.")
+    return t
+
+
+def figure9_seeds(results: List[dict]):
+    """Fig. 9 with error bars: mean step time against mean final validation loss, min-max over the seeds."""
+    import matplotlib
+    matplotlib.use("Agg", force=False)
+    import matplotlib.pyplot as plt
+
+    by_seed = [{r["name"]: r for r in res["runs"]} for res in results]
+    fig, ax = plt.subplots(figsize=(6.4, 4.4))
+    for names, style, color, label in ((STATIC, "-o", "C0", "static CF (global)"),
+                                       (DYNAMIC, "-s", "C1", "dynamic CF (local)"),
+                                       (("dynamic+cache",), "^", "C2", "dynamic + assignment cache")):
+        xs, ys, xerr, yerr = [], [], [[], []], [[], []]
+        for n in names:
+            st = [runs[n]["step_ms"] for runs in by_seed]
+            vl = [runs[n]["val_loss"] for runs in by_seed]
+            mx, my = sum(st) / len(st), sum(vl) / len(vl)
+            xs.append(mx); ys.append(my)
+            xerr[0].append(mx - min(st)); xerr[1].append(max(st) - mx)
+            yerr[0].append(my - min(vl)); yerr[1].append(max(vl) - my)
+        ax.errorbar(xs, ys, xerr=xerr, yerr=yerr, fmt=style, color=color, label=label, capsize=3)
+    ax.set_xlabel("mean training step time (ms); bars: min-max over seeds")
+    ax.set_ylabel("final validation loss (nats/token)")
+    ax.set_title(f"DynaMoE Fig. 9 over {len(results)} seeds (measured here, CPU)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    return fig
+
+
+def run(out_dir: str, fast: bool, log=print, seed: int = 0, seeds: Optional[int] = None) -> dict:
+    """``seeds``: how many seeds Fig. 9 runs (from ``seed`` on); default 1 in fast mode, 3 in full mode."""
     from ..bench import dynamic as bench
 
     setting = dict(bench.SETTINGS["quick" if fast else "default"])
     log(header("dynamoe", fast, f"megamoe bench dynamic, {'quick' if fast else 'default'} setting"))
-    res = bench.run(setting, seed=seed, log=log)
+    n = seeds or (1 if fast else 3)
+    results = [bench.run(setting, seed=seed + i, log=log) for i in range(n)]
+    res = results[0]
     tables = tables_from_results(res)
+    if n > 1:
+        tables.insert(1, seeds_table(results))
     paths = [t.write(out_dir) for t in mark_fast(tables, fast)]
     figures = [save_figure(figure9(res), out_dir, "fig9_runtime_vs_loss"),
                save_figure(figure10(res), out_dir, "fig10_cached_fraction")]
+    if n > 1:
+        figures.append(save_figure(figure9_seeds(results), out_dir, "fig9_seeds"))
     print_tables(tables, figures, log, fast=fast)
     return {"tables": paths, "figures": figures}
