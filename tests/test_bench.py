@@ -88,3 +88,21 @@ def test_placement_bench_measured_tiny(tmp_path, capsys):
     assert "measured here (CPU, gloo, 2 procs)" in out and "same math" in out and ": OK" in out
     assert "1.70x" in out and "1.30x" in out and "1.97x" in out          # the anchors, beside ours
     assert m["profile"]["kind"].startswith("given")
+
+
+def test_device_benchmark_code_path_on_a_cpu_stand_in(monkeypatch):
+    """`megamoe bench layer --device cuda` runs only on a GPU; its code (implementations, megatron-core peers,
+    output check, table, targets) is exercised here on the CPU with CUDA's synchronize and device name stubbed.
+    The times are CPU times, not a GPU number."""
+    import torch
+    from megamoe_plugin.bench import layer_device as ld
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a, **k: "NVIDIA H100 80GB HBM3")
+    rows = ld.run_config("tiny", "balanced", 1, torch.float32, torch.device("cpu"))
+    got = {r["impl"]: r for r in rows}
+    assert got["ours dropless"]["time"] > 0 and got["grouped GEMM floor"]["time"] > 0
+    assert got["ours dropless"]["share"] == got["ours dropless"]["tflops"] / 989.0
+    seq = got["megatron-core SequentialMLP"]
+    assert seq["time"] > 0 and float(seq["note"].split()[-1]) < 1e-4     # same function as ours
+    assert "vs SequentialMLP" in "\n".join(ld.targets(rows))
+    assert "| tiny | balanced | ours dropless |" in ld.format_table(rows)

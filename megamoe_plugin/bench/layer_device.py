@@ -46,8 +46,8 @@ def _megatron(x, wg, w1, w2, k, dtype, device, grouped=False, te=False):
 def _floor(x, wg, w1, w2, k, dtype, device):
     ids, _ = route(x, wg, k)
     counts = torch.bincount(ids.reshape(-1), minlength=w1.shape[0]).to(device)
-    xs = x[torch.argsort(ids.reshape(-1), stable=True) // k].to(device=device, dtype=dtype).requires_grad_()
-    a, b = (t.to(device=device, dtype=dtype).requires_grad_() for t in (w1, w2))
+    xs = x[torch.argsort(ids.reshape(-1), stable=True) // k].to(device=device, dtype=dtype).clone().requires_grad_()
+    a, b = (t.detach().to(device=device, dtype=dtype).clone().requires_grad_() for t in (w1, w2))
     offs = offsets_from_counts(counts)
     grad = torch.ones_like(xs)
 

@@ -19,7 +19,7 @@ def ours(x, wg, w1, w2, k, dispatch="dropless", cf=1.0, cpu_gemm="auto", kernel=
     with torch.no_grad():
         layer.gate.weight.copy_(wg); layer.experts.w1.copy_(w1); layer.experts.w2.copy_(w2)
     layer = layer.to(device=device, dtype=dtype)
-    xin = x.to(device=device, dtype=dtype).requires_grad_()
+    xin = x.detach().to(device=device, dtype=dtype).clone().requires_grad_()     # never the caller's x
     grad = torch.ones_like(xin)
 
     def step():
@@ -48,7 +48,7 @@ def megatron_peer(x, wg, w1, w2, k, device=None, dtype=None, grouped=False, te=F
         load_expert_weights(layer, w1, w2)
     load_router_weight(layer, wg)
     layer = layer.to(device=device, dtype=dtype)
-    xin = x.to(device=device, dtype=dtype).view(x.shape[0], 1, H).requires_grad_()
+    xin = x.detach().to(device=device, dtype=dtype).clone().view(x.shape[0], 1, H).requires_grad_()
     grad = torch.ones_like(xin)
 
     def step():
