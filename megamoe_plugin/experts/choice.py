@@ -23,7 +23,7 @@ from . import grouped
 from .loop import GroupedExpertFFN, lane_budget
 
 KERNELS = ("auto", "grouped_mm", "loop")
-GROUPED_MARGIN = 0.9          # grouped_mm is chosen on CPU only when it takes <= 0.9x the loop's time
+GROUPED_MARGIN = 0.75         # grouped_mm is chosen on CPU only when it takes <= 0.75x the loop's time
 
 _DECISIONS: Dict[Tuple, str] = {}
 
