@@ -34,15 +34,6 @@ def card_peak(name: str) -> Optional[float]:
     return None
 
 
-def _ours(x, wg, w1, w2, k, kernel, dtype, device):
-    step, _, layer = ours(x, wg, w1, w2, k, kernel=kernel, device=device, dtype=dtype)
-    return step, layer
-
-
-def _megatron(x, wg, w1, w2, k, dtype, device, grouped=False, te=False):
-    return megatron_peer(x, wg, w1, w2, k, device=device, dtype=dtype, grouped=grouped, te=te)
-
-
 def _floor(x, wg, w1, w2, k, dtype, device):
     ids, _ = route(x, wg, k)
     counts = torch.bincount(ids.reshape(-1), minlength=w1.shape[0]).to(device)
@@ -78,18 +69,19 @@ def run_config(name: str, routing: str, repeat: int, dtype: torch.dtype, device)
     H, F_, E, k, T = c["H"], c["F"], c["E"], c["k"], c["T"]
     x, wg, w1, w2 = make_inputs(H, F_, E, k, T, routing)
     impls, notes = {}, {}
-    impls["ours dropless"], ours = _ours(x, wg, w1, w2, k, "auto", dtype, device)
-    impls["ours dropless, loop kernel"], _ = _ours(x, wg, w1, w2, k, "loop", dtype, device)
+    impls["ours dropless"], _, our_layer = ours(x, wg, w1, w2, k, kernel="auto", device=device, dtype=dtype)
+    impls["ours dropless, loop kernel"], _, _ = ours(x, wg, w1, w2, k, kernel="loop", device=device, dtype=dtype)
     impls["grouped GEMM floor"] = _floor(x, wg, w1, w2, k, dtype, device)
     for label, kw in (("megatron-core SequentialMLP", {}), ("megatron-core GroupedMLP", {"grouped": True}),
                       ("megatron-core TE grouped", {"grouped": True, "te": True})):
         try:
-            step, mlayer = _megatron(x, wg, w1, w2, k, dtype, device, **kw)
+            step, mlayer = megatron_peer(x, wg, w1, w2, k, device=device, dtype=dtype, **kw)
             if not kw:
                 with torch.no_grad():
                     xd = x.to(device=device, dtype=dtype)
-                    err = float((mlayer(xd.view(T, 1, H))[0].view(T, H).float() - ours(xd).float()).abs().max()
-                                / ours(xd).float().abs().max())
+                    y_ours = our_layer(xd).float()
+                    err = float((mlayer(xd.view(T, 1, H))[0].view(T, H).float() - y_ours).abs().max()
+                                / y_ours.abs().max())
                 notes[label] = f"output rel. diff vs ours {err:.1e}"
             impls[label] = step
         except Exception as e:              # a package that does not import, or a layout this version refuses

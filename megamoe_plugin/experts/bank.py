@@ -63,17 +63,17 @@ class ExpertBank(nn.Module):
             return [self.w1, self.w2, self.b1, self.b2]
         return self.placement.expert_weights(self)
 
-    def kernel_for(self, x: torch.Tensor) -> str:
-        """'grouped_mm' or 'loop' for a call on x (experts/choice.py)."""
-        w1, w2, b1, _ = self.weights()
+    def kernel_for(self, x: torch.Tensor, weights: Optional[List[Optional[torch.Tensor]]] = None) -> str:
+        """'grouped_mm' or 'loop' for a call on x (experts/choice.py); ``weights`` as from ``weights()``."""
+        w1, w2, b1, _ = weights if weights is not None else self.weights()
         return choose_kernel(self.kernel, x, w1, w2, self.activation, b1 is not None, self.cpu_lanes, self.cpu_gemm)
 
     def forward(self, x: torch.Tensor, tokens_per_expert: Union[torch.Tensor, Sequence[int]]) -> torch.Tensor:
         """x [N, H] sorted into contiguous groups of ``tokens_per_expert`` rows (host ints or a device tensor; rows
         after the last group come out as zeros). Zero tokens still go through the kernel: every parameter gets a
         (zero) gradient on every rank."""
-        weights = self.weights()
-        kernel = self.kernel_for(x)
+        weights = self.weights()          # with a placement: replica-synchronised slots + shadows, built once
+        kernel = self.kernel_for(x, weights)
         if kernel == "grouped_mm":
             counts = tokens_per_expert if torch.is_tensor(tokens_per_expert) else \
                 torch.tensor(list(tokens_per_expert), dtype=torch.int64).to(x.device, non_blocking=True)

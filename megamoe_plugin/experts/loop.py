@@ -143,8 +143,8 @@ def expert_forward(x, w1, w2, b1, b2, groups, activation: str, lanes: int, onedn
     a = x.new_empty(x.shape[0], w2.shape[1])
     y = x.new_empty(x.shape[0], w2.shape[2])
     used = groups[-1][2] if groups else 0
-    if used < x.shape[0]:            # the dropped tail: zero output, never read by the backward
-        y[used:].zero_(); h[used:].zero_(); a[used:].zero_()
+    if used < x.shape[0]:            # the dropped tail: zero output (its h and a are never read)
+        y[used:].zero_()
 
     def expert(e, s, t):
         _mm_into(x[s:t], w1[e], h[s:t], onednn, None if b1 is None else b1[e])
