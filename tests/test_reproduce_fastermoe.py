@@ -13,7 +13,9 @@ import torch
 from megamoe_plugin.reproduce import common, fastermoe
 from reproduce_checks import SOURCE as SOURCE_RE, read_table, run_fast
 
-NAMES = ["fastermoe_fig11", "fastermoe_fig13", "fastermoe_fig9", "fastermoe_table3"]
+NAMES = ["fastermoe_fig10", "fastermoe_fig11", "fastermoe_fig12", "fastermoe_fig13", "fastermoe_fig9",
+         "fastermoe_table3"]
+FIGURES = ["fastermoe_fig10", "fastermoe_fig11", "fastermoe_fig13", "fastermoe_fig9", "fastermoe_table3"]
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +37,7 @@ def _num(cell):
 def test_files_written_and_printed(result):
     out, res, printed = result
     assert sorted(os.path.basename(p) for p in res["tables"]) == [n + ".md" for n in NAMES]
-    assert sorted(os.path.basename(p) for p in res["figures"]) == [n + ".png" for n in NAMES]
+    assert sorted(os.path.basename(p) for p in res["figures"]) == [n + ".png" for n in FIGURES]
     for p in res["figures"]:
         with open(p, "rb") as f:
             assert f.read(8) == b"\x89PNG\r\n\x1a\n"
@@ -99,6 +101,37 @@ def test_fig13_smart_schedule_never_slower_than_its_sequential_schedule(result):
     assert [_num(paper["johnny"][c]) for c in ("shadowing", "smart schedule", "shadowing + smart")] == \
         [1.95, 1.40, 2.20]
     assert [_num(paper["trevor"][c]) for c in ("shadowing", "shadowing + smart")] == [4.74, 5.72]
+
+
+def test_fig10_ordering_over_zero(result):
+    rows = _table(result, "fastermoe_fig10")
+    pred = [r for r in rows if r["source"].startswith("predicted")]
+    assert {r["profile"] for r in pred} == {"johnny", "trevor"}
+    for key in {(r["profile"], r["trace"]) for r in pred}:
+        mine = {r["strategy"]: r for r in pred if (r["profile"], r["trace"]) == key}
+        ms = {k: _num(v["ms per layer-iteration"]) for k, v in mine.items()}
+        z3, z2, z1 = (ms[f"data parallel, ZeRO-{i}"] for i in (3, 2, 1))
+        assert z3 > z1 >= z2                             # stage 3 moves 1.5x the bytes; stage 2 overlaps
+        assert ms["FasterMoE (shadowing + smart)"] < ms["expert parallel"] < z3   # paper §5.4's order
+        for v in mine.values():                          # the speedup columns are the times' ratios
+            assert _num(v["speedup vs ZeRO-3"]) == pytest.approx(z3 / _num(v["ms per layer-iteration"]), rel=2e-3)
+    paper = {r["profile"]: r for r in rows if r["source"] == "paper"}
+    assert _num(paper["johnny"]["speedup vs ZeRO-3"]) == 6.63 and _num(paper["trevor"]["speedup vs ZeRO-3"]) == 17.87
+    assert _num(paper["both"]["speedup vs ZeRO-2"]) == 3.94
+
+
+def test_fig12_speedup_within_its_bound(result):
+    rows = _table(result, "fastermoe_fig12")
+    pred = [r for r in rows if r["source"].startswith("predicted")]
+    assert pred
+    for r in pred:
+        share, bound = _num(r["all-to-all share of the layer"]), _num(r["theoretical bound"])
+        assert 0 < share < 1
+        assert bound == pytest.approx(1 / max(share, 1 - share), rel=2e-3)     # (comm + comp) / max
+        assert _num(r["speedup"]) <= bound + 1e-3        # the timeline cannot beat perfect overlap
+    paper = [r for r in rows if r["source"] == "paper"]
+    assert [_num(paper[0][c]) for c in ("theoretical bound", "speedup", "share of the bound's gain")] == \
+        [1.71, 1.42, 0.99]
 
 
 def test_figs_use_the_shipped_traces_when_present(result):

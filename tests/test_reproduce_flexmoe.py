@@ -16,8 +16,11 @@ import torch
 from megamoe_plugin.reproduce import common, flexmoe
 from reproduce_checks import SOURCE as SOURCE_RE
 
-TABLES = {"fig6c_cost_model", "fig6c_error_summary", "table2_quality", "fig7a_efficiency", "fig7b_scaling"}
-FIGURES = {"fig6c_cost_model", "fig7a_efficiency", "fig7b_scaling"}
+TABLES = {"fig5_time_to_quality", "fig6ab_policies", "fig6c_cost_model", "fig6c_error_summary", "table2_quality",
+          "fig7a_efficiency", "fig7b_scaling"}
+FIGURES = {"fig6ab_policies", "fig6c_cost_model", "fig7a_efficiency", "fig7b_scaling"}
+# the measured results of `megamoe bench planners` on the emulated cluster, shipped with the docs
+PLANNERS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "docs", "data", "bench_planners")
 # paper 001 Table 2, validation perplexity: (DeepSpeed, FlexMoE), copied from the paper's text
 PAPER_PPL = {"BERT-MoE-S": (3.53, 3.14), "BERT-MoE-L": (3.31, 3.07), "GPT-MoE-S": (12.2, 11.72),
              "GPT-MoE-L": (10.71, 10.47)}
@@ -28,7 +31,7 @@ def result(tmp_path_factory):
     out = str(tmp_path_factory.mktemp("flexmoe"))
     lines = []
     threads = torch.get_num_threads()
-    res = flexmoe.run(out, fast=True, log=lines.append)
+    res = flexmoe.run(out, fast=True, log=lines.append, cluster_results=PLANNERS)
     assert torch.get_num_threads() == threads          # the training runs' --threads does not leak
     return out, res, "\n".join(str(l) for l in lines)
 
@@ -173,3 +176,74 @@ def test_fig7b_scaling(result):
             assert tok == 1.0, r
         else:
             assert tok < 1.0 and eff <= tok + 1e-4, r
+
+
+def test_fig5_time_to_quality(result):
+    rows = _table(result, "fig5_time_to_quality")
+    paper = [r for r in rows if r["source"] == "paper"]
+    assert [r["FlexMoE faster by"] for r in paper] == ["1.70x avg, up to 2.10x", "1.30x avg, up to 1.45x"]
+    cluster = [r for r in rows if r["source"].startswith("measured, emulated cluster")]
+    assert {r["system"] for r in cluster} == {"DeepSpeed (static EP, capacity)", "static EP, dropless",
+                                              "FasterMoE (shadowing)", "FlexMoE"}
+    for routing in {r["routing"] for r in cluster}:
+        mine = {r["system"]: r for r in cluster if r["routing"] == routing}
+        flex = _num(mine["FlexMoE"]["time to target (s)"])
+        assert _num(mine["FlexMoE"]["FlexMoE faster by"]) == 1.0
+        for r in mine.values():
+            assert _num(r["FlexMoE faster by"]) == pytest.approx(_num(r["time to target (s)"]) / flex, rel=2e-3)
+            assert 0 < int(_num(r["iterations to target"])) <= 200
+    pred = [r for r in rows if r["source"].startswith("predicted")]
+    assert {r["routing"].split()[0] for r in pred} == {"8", "16", "32", "64"}
+    for r in pred:      # iterations measured on the cluster x predicted step time
+        assert _num(r["time to target (s)"]) == pytest.approx(
+            _num(r["iterations to target"]) * _num(r["ms / iteration"]) / 1e3, rel=2e-3)
+
+
+def test_fig6ab_policies(result):
+    rows = _table(result, "fig6ab_policies")
+    pred = {r["policy"]: r for r in rows if r["source"].startswith("predicted")}
+    static = pred["static EP (no adjustment)"]
+    assert int(_num(static["moves"])) == 0 and _num(static["speedup vs static"]) == 1.0
+    ours = next(r for k, r in pred.items() if "(ours)" in k)
+    assert _num(ours["Max (ours) faster by"]) == 1.0
+    for r in pred.values():
+        assert _num(r["Max (ours) faster by"]) == pytest.approx(
+            _num(r["predicted ms / step"]) / _num(ours["predicted ms / step"]), rel=2e-3)
+        assert _num(r["mean balance ratio"]) >= 1.0
+    assert any(int(_num(r["moves"])) > 0 for r in pred.values())
+    paper = {r["panel"] for r in rows if r["source"] == "paper"}
+    assert paper == {"6(a)", "6(b)"}
+
+
+def test_triggered_planner_policies():
+    from megamoe_plugin.reproduce.flexmoe_time import TriggeredPlanner
+
+    class Recorder:
+        threshold = 1.2
+        last = {}
+
+        def __init__(self):
+            self.seen = []
+
+        def plan(self, state, counts):
+            self.seen.append(self.threshold)
+            return ["move"]
+
+    class State:
+        def __init__(self, loads):
+            self.loads = torch.tensor(loads, dtype=torch.float64)
+
+        def rank_loads(self, counts):
+            return self.loads
+
+    rec = Recorder()
+    every3 = TriggeredPlanner(rec, "interval", interval=3)
+    s = State([1, 1])
+    assert [bool(every3.plan(s, None)) for _ in range(7)] == [True, False, False, True, False, False, True]
+    assert rec.seen == [1.0, 1.0, 1.0] and rec.threshold == 1.2      # plans to completion, threshold restored
+    var = TriggeredPlanner(Recorder(), "variance", var_threshold=0.04)
+    assert var.plan(State([1.0, 1.0, 1.0, 1.0]), None) == []           # CV^2 = 0
+    assert var.plan(State([1.5, 0.5, 1.0, 1.0]), None) == ["move"]     # CV^2 = 0.125
+    assert var.plan(State([1.2, 0.8, 1.0, 1.0]), None) == []           # CV^2 = 0.02
+    with pytest.raises(ValueError, match="trigger"):
+        TriggeredPlanner(rec, "sometimes")

@@ -115,6 +115,25 @@ def test_points_uniform_load_follow_the_paper():
 
 
 @needs_api
+def test_zero_stages_follow_their_collectives():
+    prof = uniform_profile()
+    shape = LayerShape(H, FFN, 8, bytes_per_element=2)
+    counts = rl.synthetic_counts(8, 8, 512, 0.0)
+    pts = by_label(rl.roofline_points(prof, shape, counts, include=["zero1", "zero2", "zero3", "dp", "ep"]))
+    z1, z2, z3, dp, ep = (pts[rl.LABELS[k]] for k in ("zero1", "zero2", "zero3", "dp", "ep"))
+    ar = prof.network(8).allreduce_time(8 * shape.expert_param_bytes, list(range(8)))
+    comp = dp.lat_comp
+    # hand-written stage formulas: 1 = compute then one all-reduce's traffic; 2 = reduce-scatter under the
+    # backward, all-gather after; 3 = all-gather before forward and backward, reduce-scatter under the backward
+    assert z1.lat_e2e == pytest.approx(comp + ar)
+    assert z2.lat_e2e == pytest.approx(comp / 3 + max(2 * comp / 3, ar / 2) + ar / 2)
+    assert z3.lat_e2e == pytest.approx(ar / 2 + comp / 3 + ar / 2 + max(2 * comp / 3, ar / 2))
+    assert z3.lat_comm == pytest.approx(1.5 * ar)
+    assert z3.lat_e2e > z1.lat_e2e >= z2.lat_e2e                    # §5.4: stage 3 slowest, stage 2 fastest
+    assert ep.lat_e2e < z3.lat_e2e                                  # Fig. 10: expert parallelism beats ZeRO-3
+
+
+@needs_api
 def test_points_skewed_load_shadowing_and_smart():
     prof = uniform_profile()
     shape = LayerShape(H, FFN, 8, bytes_per_element=2)

@@ -30,6 +30,15 @@ The strategies (labels as in the returned points):
     worker runs its own tokens locally (no all-to-all), the gradients are ring all-reduced over all N workers.
     Synchronous: Lat_e2e = Lat_comp + Lat_comm. Overlap variant (§3.3: "the all-reduce may be overlapped with
     backward computation"): Lat_e2e = Lat_fwd + max(Lat_bwd, Lat_comm).
+``ZeRO-1`` / ``ZeRO-2`` / ``ZeRO-3`` (the data-parallel baselines of §5.4, Fig. 10)
+    Data parallelism over the same replicated layer with DeepSpeed's ZeRO stages (ring collectives of the layer's
+    parameter bytes S over all N workers; a ring reduce-scatter or all-gather is half a ring all-reduce).
+    Stage 1 (optimizer states partitioned): the gradients are reduced and the updated parameters gathered, the
+    traffic of one all-reduce, after the backward: Lat_e2e = Lat_comp + AR(S). Stage 2 (+ gradients partitioned):
+    the reduce-scatter runs during the backward, the all-gather of the updated parameters after it:
+    Lat_fwd + max(Lat_bwd, AR/2) + AR/2. Stage 3 (+ parameters partitioned): the parameters are all-gathered
+    before the forward and again before the backward, the gradients reduce-scattered during the backward:
+    AR/2 + Lat_fwd + AR/2 + max(Lat_bwd, AR/2) (no prefetch across layers: one layer is modelled).
 ``model parallel``
     Every expert is split over the N workers (tensor parallelism): each does 1/N of every assignment's FLOPs, so
     no load imbalance; 2 all-reduces (one forward, one backward) of the embeddings of the tokens, B x H elements
@@ -79,6 +88,9 @@ __all__ = ["r_cc", "mlp_flops", "p_bar", "p_ideal", "p_semi_ideal", "RooflinePoi
 LABELS = {
     "dp": "data parallel",
     "dp_overlap": "data parallel (overlap)",
+    "zero1": "data parallel, ZeRO-1",
+    "zero2": "data parallel, ZeRO-2",
+    "zero3": "data parallel, ZeRO-3",
     "mp": "model parallel",
     "ep": "expert parallel",
     "shadow": "expert parallel + shadowing",
@@ -237,7 +249,8 @@ def roofline_points(profile, shape, counts: torch.Tensor, *, world_size: Optiona
     detail = {k: {} for k in include}
     flops = 0.0
     dp_bytes = E * shape.expert_param_bytes
-    dp_comm = net.allreduce_time(dp_bytes, list(range(W))) if ("dp" in include or "dp_overlap" in include) else 0.0
+    dp_keys = {"dp", "dp_overlap", "zero1", "zero2", "zero3"} & set(include)
+    dp_comm = net.allreduce_time(dp_bytes, list(range(W))) if dp_keys else 0.0
     slices = counts.reshape(-1, W, E)
     for c in slices:
         c = c.double()
@@ -250,12 +263,19 @@ def roofline_points(profile, shape, counts: torch.Tensor, *, world_size: Optiona
             for name, v in extra.items():
                 detail[key][name] = detail[key].get(name, 0.0) + v
 
-        if "dp" in include or "dp_overlap" in include:
+        if dp_keys:
             comp = 3 * cost.compute_time(c.sum(1))
+            fwd, bwd, half = comp / 3, 2 * comp / 3, dp_comm / 2
             if "dp" in include:
                 add("dp", comp, dp_comm, comp + dp_comm)
             if "dp_overlap" in include:
-                add("dp_overlap", comp, dp_comm, comp / 3 + max(2 * comp / 3, dp_comm))
+                add("dp_overlap", comp, dp_comm, fwd + max(bwd, dp_comm))
+            if "zero1" in include:
+                add("zero1", comp, dp_comm, comp + dp_comm)
+            if "zero2" in include:
+                add("zero2", comp, dp_comm, fwd + max(bwd, half) + half)
+            if "zero3" in include:
+                add("zero3", comp, 3 * half, half + fwd + half + max(bwd, half))
         if "mp" in include:
             comp = 3 * cost.compute_time(torch.full((W,), assignments / W, dtype=torch.float64))
             nbytes = assignments / max(top_k, 1) * shape.token_bytes

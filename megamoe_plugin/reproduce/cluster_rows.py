@@ -10,7 +10,7 @@ from typing import Optional
 
 from ..bench.gates import shaping_label
 
-__all__ = ["load", "add_table1_rows", "add_gate_rows", "add_schedule_rows", "shaping_label", "NODES", "HOW"]
+__all__ = ["load", "add_table1_rows", "add_gate_rows", "add_schedule_rows", "add_schedule_bound_rows", "shaping_label", "NODES", "HOW"]
 
 NODES = {"2x2": "2 nodes x 2", "3asym": "3 nodes of 2+1+1"}
 HOW = "not run here: needs `megamoe bench gates --out DIR` (root; ~25 min), then --cluster-results DIR"
@@ -62,3 +62,16 @@ def add_schedule_rows(table, res: Optional[dict]) -> None:
         table.add(f"smart schedule, config {config}, {groups} groups, a2a {s['comm_share']:.0%} of the layer",
                   f"plain {s['plain_ms']:.0f} ms, smart {s['smart_ms']:.0f} ms", None, s["measured_ratio"], None, None,
                   shaping_label({"shaping": dict(res["shaping"], intra=None)}))
+
+
+def add_schedule_bound_rows(table, res: Optional[dict]) -> None:
+    """Fig. 12 on the cluster: per smart-schedule case, the all-to-all share, the bound and the measured speedup."""
+    if res is None or not res.get("schedule"):
+        table.add(*(["emulated cluster: not run"] + [None] * (len(table.columns) - 2) + [HOW]))
+        return
+    label = shaping_label({"shaping": dict(res["shaping"], intra=None)})
+    for s in res["schedule"]:
+        config, groups = s["case"].split(":")
+        gain = (s["measured_ratio"] - 1) / (s["upper_bound"] - 1) if s["upper_bound"] > 1 else None
+        table.add("emulated cluster, 4 ranks", f"config {config}, {groups} groups", "-", s["comm_share"],
+                  s["upper_bound"], s["measured_ratio"], gain, label)

@@ -1,8 +1,9 @@
-"""`megamoe reproduce flexmoe`: FlexMoE (paper 001) Fig. 6(c), Table 2, Fig. 7(a) and Fig. 7(b) from this repository.
+"""`megamoe reproduce flexmoe`: FlexMoE (paper 001) Figs. 5, 6, 7 and Table 2 from this repository.
 
-    megamoe reproduce flexmoe [--fast] [--out DIR]
+    megamoe reproduce flexmoe [--fast] [--out DIR] [--cluster-results DIR]
 
-Four results, each a markdown table (every row says how it was obtained: ``common.py``) and a PNG:
+Fig. 5 (time to quality: measured on the emulated cluster, predicted at 8-64 GPUs) and Fig. 6(a)/(b) (trigger and
+scheduling policies in the simulator) are ``flexmoe_time``'s. The other four results, each a markdown table (every row says how it was obtained: ``common.py``) and a PNG:
 
 * ``fig6c_cost_model`` (Fig. 6(c), "estimation cost vs real cost on different input sizes for computation /
   all-to-all / all-reduce"): two gloo processes on this machine fit the cost model with ``perfmodel.calibrate``
@@ -534,8 +535,9 @@ def _smooth(xs: Sequence[float], k: int) -> List[float]:
 
 # ================================================================================================ Fig. 7(b)
 def scaling(out_dir: str, fast: bool, log=print, worlds: Sequence[int] = (8, 16, 32, 64), experts: int = 64,
-            tokens_per_gpu: int = 4096) -> Tuple[List[Table], List[str]]:
-    """Fig. 7(b): predicted throughput of one 64-expert MoE layer from 8 to 64 GPUs, normalised to DeepSpeed-8."""
+            tokens_per_gpu: int = 4096, results: Optional[dict] = None) -> Tuple[List[Table], List[str]]:
+    """Fig. 7(b): predicted throughput of one 64-expert MoE layer from 8 to 64 GPUs, normalised to DeepSpeed-8.
+    ``results``: a dict that receives {(strategy label, GPUs): summary} (Fig. 5's predicted step times)."""
     from ..perfmodel.cost import LayerShape
     from ..perfmodel.profiles import get_profile
     from ..perfmodel.simulate import simulate_trace, summarize
@@ -555,6 +557,8 @@ def scaling(out_dir: str, fast: bool, log=print, worlds: Sequence[int] = (8, 16,
             s = summarize(rows[1:])            # step 0: no planner has acted yet
             s["tokens_per_s"] = W * tokens_per_gpu / s["mean_total"]
             res[(label, W)] = s
+            if results is not None:
+                results[(label, W)] = s
         log(f"  fig 7(b): {W} GPUs done ({time.perf_counter() - t0:.0f} s)")
     base = res[(DEEPSPEED, worlds[0])]
     base_in = base["tokens_per_s"]
@@ -604,17 +608,29 @@ def scaling(out_dir: str, fast: bool, log=print, worlds: Sequence[int] = (8, 16,
 
 
 # ================================================================================================ entry point
-def run(out_dir: str, fast: bool, log=print) -> dict:
-    """Write FlexMoE's Fig. 6(c), Table 2, Fig. 7(a) and Fig. 7(b) into ``out_dir`` (module docstring)."""
+def run(out_dir: str, fast: bool, log=print, cluster_results: Optional[str] = None) -> dict:
+    """Write FlexMoE's Figs. 5, 6 and 7 and Table 2 into ``out_dir`` (module docstring; Figs. 5 and 6(a)/(b):
+    ``flexmoe_time``). ``cluster_results``: the folder of `megamoe bench planners --out DIR` (Fig. 5's measured
+    rows)."""
     os.makedirs(out_dir, exist_ok=True)
     threads = torch.get_num_threads()          # megamoe train sets its --threads; restored at the end
     try:
-        return _run(out_dir, fast, log)
+        return _run(out_dir, fast, log, cluster_results)
     finally:
         torch.set_num_threads(threads)
 
 
-def _run(out_dir: str, fast: bool, log) -> dict:
+def _planners_results(path: Optional[str]):
+    """(results of `megamoe bench planners`, the cluster's shaping label) or (None, None)."""
+    if not path:
+        return None, None
+    with open(os.path.join(path, "results.json")) as f:
+        res = json.load(f)
+    return res, "measured, emulated cluster: 2 nodes x 2, inter-node 100 MB/s"
+
+
+def _run(out_dir: str, fast: bool, log, cluster_results: Optional[str] = None) -> dict:
+    from . import flexmoe_time
     t0 = time.perf_counter()
     log(header("flexmoe", fast))
     tables: List[Table] = []
@@ -633,10 +649,20 @@ def _run(out_dir: str, fast: bool, log) -> dict:
         tables += t
         figures += f
     log("Fig. 7(b): scaling from 8 to 64 GPUs (predicted) ...")
-    t, f = scaling(out_dir, fast, log)
+    scale: dict = {}
+    t, f = scaling(out_dir, fast, log, results=scale)
     tables += t
     figures += f
-    order = ["fig6c_cost_model", "fig6c_error_summary", "table2_quality", "fig7a_efficiency", "fig7b_scaling"]
+    log("Fig. 5: time to quality (emulated cluster; predicted at 8-64 GPUs) ...")
+    planners, shaping = _planners_results(cluster_results)
+    tables.append(flexmoe_time.time_to_quality(planners, scale, shaping,
+                                               "not run here: needs `megamoe bench planners --out DIR` (root; "
+                                               "~30 min), then --cluster-results DIR"))
+    log("Fig. 6(a)/(b): trigger and scheduling policies (simulator) ...")
+    t, fig = flexmoe_time.trigger_policies(fast, FLEX_OPTIONS)
+    tables.append(t)
+    figures.append(save_figure(fig, out_dir, "fig6ab_policies"))
+    order = ["fig5_time_to_quality", "fig6ab_policies", "fig6c_cost_model", "fig6c_error_summary", "table2_quality", "fig7a_efficiency", "fig7b_scaling"]
     tables.sort(key=lambda t: order.index(t.name) if t.name in order else len(order))
     paths = [t.write(out_dir) for t in mark_fast(tables, fast)]
     print_tables(tables, figures, log, fast=fast)
