@@ -131,6 +131,13 @@ class MoEConfig:
                                          "that demand, spread x its smoothed standard deviation).")
     capacity_spread: float = _opt(2.0, "dynamic capacity: standard deviations of the per-expert demand the capacity "
                                        "covers beyond its average (batch-to-batch jitter); 0 = headroom only.")
+    capacity_quantile: float = _opt(0.0, "dynamic capacity: 0 = capacity from the moving average and spread (above); "
+                                         "q in (0, 1) = each expert's capacity is the q-quantile of its demand over "
+                                         "the last capacity-window steps (at least average x (1 + headroom)), and "
+                                         "an expert grows as soon as that quantile exceeds its capacity, so it "
+                                         "overflows in about 1 - q of the steps.")
+    capacity_window: int = _opt(32, "dynamic capacity with --moe-capacity-quantile: steps of demand history kept per "
+                                    "expert.")
     capacity_smoothing: float = _opt(0.7, "dynamic capacity: weight of the past in the moving average of each "
                                           "expert's demand (0 = the last step only).")
     capacity_hysteresis: float = _opt(0.25, "dynamic capacity: shrink a layer's capacities only when their total exceeds "
@@ -308,6 +315,10 @@ class MoEConfig:
             self._bad("capacity_smoothing", "must be in [0, 1)")
         if self.capacity_spread < 0:
             self._bad("capacity_spread", "must be >= 0")
+        if not 0.0 <= self.capacity_quantile < 1.0:
+            self._bad("capacity_quantile", "must be in [0, 1) (0 = moving average + spread)")
+        if self.capacity_window < 2:
+            self._bad("capacity_window", "must be >= 2")
         if self.capacity_hysteresis < 0:
             self._bad("capacity_hysteresis", "must be >= 0")
         if self.capacity_quantum < 1:

@@ -8,7 +8,8 @@ import pytest
 
 from megamoe_plugin.cli import main as cli_main
 
-RUNS = ["static CF=1", "static CF=2", "static CF=4", "static no-drop", "dynamic", "dynamic spread=0", "dynamic+cache"]
+RUNS = ["static CF=1", "static CF=2", "static CF=4", "static no-drop", "dynamic", "dynamic spread=0", "dynamic q=0.9",
+        "dynamic+cache"]
 
 
 def test_quick_dynamic_bench(tmp_path, capsys):
@@ -42,6 +43,20 @@ def test_quick_dynamic_bench(tmp_path, capsys):
     assert dyn["avg_capacity_factor"] < runs["static no-drop"]["avg_capacity_factor"]
     assert dyn["dropped_fraction"] < runs["static CF=1"]["dropped_fraction"]
     assert runs["dynamic spread=0"]["avg_capacity_factor"] < dyn["avg_capacity_factor"]   # no jitter cover
+    # per epoch: the drops and rows add up to the run's totals (assignments are the same every epoch here)
+    for r in runs.values():
+        per = r["per_epoch"]
+        assert [e["epoch"] for e in per] == list(range(1, setup["epochs"] + 1))
+        assert statistics.fmean(e["dropped_fraction"] for e in per) == pytest.approx(r["dropped_fraction"], rel=1e-6)
+        assert statistics.fmean(e["avg_capacity_factor"] for e in per) == pytest.approx(r["avg_capacity_factor"],
+                                                                                      rel=1e-6)
+    # Fig. 8: one capacity list per step for the dynamic runs, none for the static ones
+    for name, r in runs.items():
+        if r["capacity_policy"] == "dynamic":
+            assert len(r["capacity_trace"]) == steps and len(r["capacity_trace"][-1]) == E
+            assert all(c >= 1 for c in r["capacity_trace"][-1])
+        else:
+            assert "capacity_trace" not in r
 
     # ratios: recomputed here from the per-step times, and printed as such
     mean = lambda xs: statistics.fmean(xs[skip:])       # noqa: E731

@@ -91,6 +91,26 @@ def test_capacity_policy_grows_at_once_and_shrinks_rarely():
     assert pol.decisions == 4
 
 
+def test_capacity_quantile_grows_an_expert_that_overflows_often_below_its_average():
+    # expert 1's demand alternates around a mean just under its capacity (100): it overflows on every high batch
+    demands = [[100., 100], [100., 80], [100., 115]]
+    kw = dict(headroom=0.0, smoothing=0.9, hysteresis=10.0, quantum=1, min_capacity=1, min_interval=100)
+    mean_rule = DynamicCapacityPolicy(2, **kw)
+    got = [mean_rule.decide(0, torch.tensor(d)) for d in demands]
+    # averages 100, 98, 99.7: never above the capacity, so the average rule never grows it
+    assert got == [[100, 100], None, None]
+    quant = DynamicCapacityPolicy(2, quantile=0.75, window=4, **kw)
+    got = [quant.decide(0, torch.tensor(d)) for d in demands]
+    # 0.75-quantile of expert 1's [100, 80, 115] = 107.5 (linear interpolation) -> 108 > 100: it grows at once
+    assert got == [[100, 100], None, [100, 108]]
+    again = DynamicCapacityPolicy(2, quantile=0.75, window=4, **kw)
+    again.load_state_dict(quant.state_dict())
+    assert again.history[0].tolist() == [[100., 100.], [100., 80.], [100., 115.]]
+    assert again.decide(0, torch.tensor([100., 115.])) == quant.decide(0, torch.tensor([100., 115.]))
+    with pytest.raises(ConfigError, match="--moe-capacity-quantile"):
+        MoEConfig(capacity_quantile=1.0)
+
+
 def test_dynamic_config_errors_name_the_flag():
     with pytest.raises(ConfigError, match="--moe-capacity-policy"):
         MoEConfig(capacity_policy="dynamic")                   # dropless has no capacity

@@ -50,8 +50,8 @@ def _measured(rows):
 
 def test_files_sources_and_printed(out):
     d, res, logged, _ = out
-    want = {"fig9_throughput", "fig10_memory", "fig10_largest_batch", "fig12_miss_rate", "fig14_load_balance",
-            "anchors"}
+    want = {"fig9_throughput", "fig10_memory", "fig10_largest_batch", "fig12_miss_rate", "fig13_memory_latency",
+            "fig14_load_balance", "anchors"}
     assert {os.path.basename(p)[:-3] for p in res["tables"]} == want
     assert {os.path.basename(p)[:-4] for p in res["figures"]} == {"fig9_throughput", "fig10_memory",
                                                                   "fig12_miss_rate", "fig14_load_balance"}
@@ -188,3 +188,20 @@ def test_anchors_pair_paper_and_measured(out):
     text = " ".join(r["value"] for r in rows if r["source"] == "paper")
     for number in ("6.21x", "3.32x", "6.29 GB", "1.28 GB", "8 / 64", "1.47x", "> 0.6", "< 0.4"):
         assert number in text
+
+
+def test_fig13_memory_and_latency_follow_the_miss_rates(out):
+    d, _, _, trace = out
+    rows = _measured(_table(d, "fig13_memory_latency"))
+    miss = {int(r["cache/device"]): float(r["LIFO"]) for r in _measured(_table(d, "fig12_miss_rate"))}
+    expert_mib = 1024 * 4096 * 2 * 2 / 2**20                       # H 1024, FFN 4096, fp16, two matrices
+    assert [int(r["cache/device"]) for r in rows] == sorted(miss)
+    for r in rows:
+        size = int(r["cache/device"])
+        assert float(r["expert memory per device (MiB)"]) == pytest.approx(size * expert_mib)
+        assert 0.0 <= float(r["LIFO miss rate (pooled)"]) <= 1.0
+        # the misses' copies at 12 GB/s: latency and misses per batch in a fixed ratio
+        assert float(r["expert loads per batch (ms)"]) == pytest.approx(
+            float(r["misses per device and batch"]) * expert_mib * 2**20 / 12e9 * 1e3, rel=2e-3)
+    # a cache of one expert per device misses every activation after a change of expert: the largest latency
+    assert float(rows[0]["expert loads per batch (ms)"]) == max(float(r["expert loads per batch (ms)"]) for r in rows)

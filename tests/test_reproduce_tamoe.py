@@ -157,3 +157,41 @@ def test_cluster_rows_from_a_bench_gates_folder():
     empty = Table("e", "e", list(conv.columns))
     cluster_rows.add_gate_rows(empty, None)
     assert len(empty.rows) == 1 and SOURCE.match(empty.rows[0][-1]) and "not run here" in empty.rows[0][-1]
+
+
+def _interleave_worker(rank, world, tmp, result_file):
+    import json
+
+    from megamoe_plugin.reproduce.training import train_in_workers, train_interleaved_in_workers
+    base = ["--hidden", "16", "--layers", "1", "--heads", "2", "--ffn-hidden", "32", "--seq-len", "16",
+            "--batch-size", "2", "--corpus-bytes", "60000", "--steps", "6", "--eval-interval", "2", "--moe-every", "1",
+            "--eval-batches", "2", "--log-interval", "2", "--threads", "1", "--moe-num-experts", "4", "--seed", "0",
+            "--moe-expert-parallel-size", "2"]
+    runs = {"gshard": base + ["--moe-gate", "gshard"], "switch": base + ["--moe-gate", "switch", "--moe-top-k", "1"]}
+    logs = {n: os.path.join(tmp, f"{n}.log") for n in runs}
+    chunked = train_interleaved_in_workers(rank, runs, logs, tmp)
+    straight = train_in_workers(rank, runs["gshard"], os.path.join(tmp, "straight.log"), os.path.join(tmp, "tr"))
+    if rank == 0:
+        with open(result_file, "w") as f:
+            json.dump({"chunked": chunked, "straight": straight}, f)
+
+
+def test_interleaved_training_continues_each_run_exactly(tmp_path):
+    """Chunked by evaluation interval and interleaved with another run, a run gives the evaluations and routing
+    of the same run trained straight through; its training seconds grow with the steps."""
+    import json
+
+    from megamoe_plugin.reproduce.common import fork_processes
+    out = str(tmp_path / "res.json")
+    fork_processes(_interleave_worker, 2, str(tmp_path), out)
+    with open(out) as f:
+        res = json.load(f)
+    chunked, straight = res["chunked"], res["straight"]
+    assert set(chunked) == {"gshard", "switch"}
+    g = chunked["gshard"]
+    assert [s for s, _ in g["evals"]] == [2, 4, 6] == [s for s, _ in straight["evals"]]
+    assert [loss for _, loss in g["evals"]] == pytest.approx([loss for _, loss in straight["evals"]], rel=1e-6)
+    assert g["counts"] == straight["counts"]                       # the same routing, step by step
+    secs = [g["train_seconds"][str(s)] for s in (2, 4, 6)]
+    assert 0 < secs[0] < secs[1] < secs[2]
+    assert chunked["switch"]["evals"] != g["evals"]                 # the other run is its own

@@ -2,7 +2,7 @@
 cached fraction over training (§5.3 Fig. 10), measured on this CPU.
 
 What. One real-text language model (``models.TinyMoEGPT``, byte tokens of the embedded corpus as ``megamoe train``
-uses; Switch top-1 gate, E = 8 experts) trained seven times with the same seed, initial weights, data and steps,
+uses; Switch top-1 gate, E = 8 experts) trained eight times with the same seed, initial weights, data and steps,
 its MoE layers in capacity dispatch (GShard drop rule; padded per-expert buffers whose padding is computed):
 
 - ``static CF=1``, ``CF=2``, ``CF=4``: one capacity factor for all experts and the whole run (paper Eq. 4);
@@ -13,6 +13,9 @@ its MoE layers in capacity dispatch (GShard drop rule; padded per-expert buffers
   steps run at the config's CF = 1 until the first decision lands;
 - ``dynamic spread=0``: the same policy covering only the 20% headroom, not the jitter (a second point of the dynamic
   curve; Fig. 9 plots policies of different average factors);
+- ``dynamic q=0.9``: the same policy with ``capacity_quantile`` 0.9: each expert's capacity is the 0.9-quantile of
+  its demand over the last 32 steps, grown as soon as that quantile exceeds it (the average rule grows an expert only
+  once it drops on average);
 - ``dynamic+cache``: ``dynamic`` plus sample-assignment caching (§4.2) with the paper's thresholds (on at >= 96% of
   tokens not reassigned over an epoch, off below 90%) but ``min_epoch`` 2 instead of 10 (``--cache-min-epoch``).
 
@@ -33,6 +36,8 @@ random order shares out evenly; a run alone would pay it every time its capaciti
   every run, so it measures the trained model, not an inference capacity;
 - average capacity factor (buffer rows / assignments over all training calls), dropped fraction (assignments cut
   by the capacity / assignments), RECOMPILE decisions applied (``DynamicRuntime.recompilations``);
+- Fig. 8: per step, each expert's capacity in the first MoE layer of every dynamic run and the policy's moving
+  average of its demand (assignments the gate sent it before the capacity cut; as last seen by the trigger);
 - Fig. 10: per epoch, the fraction of tokens whose assignment did not change since the previous epoch and whether
   caching was on after it (``DynamicRuntime.cache_history``), and the epoch caching took effect, if it did.
 
@@ -74,11 +79,12 @@ SETTINGS = {   # default (< 6 min on 2 cores) and --quick (the test, < 60 s)
 
 def run_specs(E: int, k: int, seq_len: int, min_epoch: int = 2, cache_on: float = 0.96,
               cache_off: float = 0.90) -> List[tuple]:
-    """(name, MoEConfig overrides) of the seven runs."""
+    """(name, MoEConfig overrides) of the eight runs."""
     dyn = dict(capacity_policy="dynamic")
     return [("static CF=1", dict(capacity_factor=1.0)), ("static CF=2", dict(capacity_factor=2.0)),
             ("static CF=4", dict(capacity_factor=4.0)), ("static no-drop", dict(capacity_factor=E / k)),
             ("dynamic", dyn), ("dynamic spread=0", dict(dyn, capacity_spread=0.0)),
+            ("dynamic q=0.9", dict(dyn, capacity_quantile=0.9)),
             ("dynamic+cache", dict(dyn, assignment_cache=True, assignment_cache_min_epoch=min_epoch,
                                    assignment_cache_on=cache_on, assignment_cache_off=cache_off,
                                    assignment_cache_positions=seq_len))]
@@ -156,7 +162,11 @@ class Run:
         self.moe_fwd_s: List[float] = []
         self.moe_bwd_s: List[float] = []
         self.val: List[tuple] = []                        # (epoch, validation loss)
+        self.epoch_marks: List[tuple] = [(0.0, 0, 0)]     # (dropped, assignments, rows) at each epoch's end
         self.cache_on_epoch: Optional[int] = None
+        self.first_moe = layers[0]
+        self.capacity_trace: List[List[int]] = []          # Fig. 8: the first MoE layer's capacities per step
+        self.demand_trace: List[List[float]] = []          # ... and the policy's smoothed demand of its experts
         self.model.train()
 
     def step(self, step: int, epoch: int, ids: torch.Tensor, data: torch.Tensor, warmup: int) -> None:
@@ -174,6 +184,10 @@ class Run:
         self.opt.step()
         if self.rt is not None:
             self.rt.after_step(step)
+            if self.cfg.capacity_policy == "dynamic":
+                self.capacity_trace.append(list(self.first_moe.plan.expert_capacity or []))
+                avg = self.rt.capacity_policy.average.get(self.first_moe.layer_id)
+                self.demand_trace.append([] if avg is None else avg.tolist())
             if self.cache_on_epoch is None and self.rt.cache is not None and self.rt.cache.active:
                 self.cache_on_epoch = epoch
         self.step_s.append(time.perf_counter() - t0)
@@ -206,6 +220,12 @@ class Run:
                "moe_bwd_ms": mean(self.moe_bwd_s), "train_s": sum(self.step_s), "step_s": self.step_s,
                "moe_s": moe, "val_loss": self.val[-1][1], "val_best": min(self.val, key=lambda v: v[1]),
                "val_curve": self.val, "runtime_metrics": m}
+        marks = self.epoch_marks
+        out["per_epoch"] = [{"epoch": i + 1, "dropped_fraction": (d1 - d0) / max(a1 - a0, 1),
+                             "avg_capacity_factor": (r1 - r0) / max(a1 - a0, 1)}
+                            for i, ((d0, a0, r0), (d1, a1, r1)) in enumerate(zip(marks, marks[1:]))]
+        if self.capacity_trace:
+            out["capacity_trace"], out["demand_trace"] = self.capacity_trace, self.demand_trace
         if self.rt is not None and self.rt.cache is not None:
             out["cache"] = {"on_epoch": self.cache_on_epoch, "cached_calls": int(self.rt.cache.cached_calls),
                             "history": [list(h) for h in self.rt.cache_history()]}
@@ -229,7 +249,9 @@ def ratios(runs: Dict[str, dict], skip: int) -> Dict[str, dict]:
 
 
 def run(s: dict, seed: int = 0, threads: int = 0, log=print, min_epoch: int = 2, cache_on: float = 0.96,
-        cache_off: float = 0.90) -> dict:
+        cache_off: float = 0.90, only: Optional[List[str]] = None) -> dict:
+    """Train the runs of ``run_specs`` (``only``: those names, e.g. the caching regime's) interleaved step by step;
+    the result dict of the module docstring."""
     threads = threads or len(os.sched_getaffinity(0))
     torch.set_num_threads(threads)
     retain_freed_memory()
@@ -242,7 +264,8 @@ def run(s: dict, seed: int = 0, threads: int = 0, log=print, min_epoch: int = 2,
     warmup = max(steps // 10, 1)
     base = dict(num_experts=s["experts"], top_k=1, gate="switch", aux_loss_coeff=0.01, dispatch="capacity")
     runs = [Run(name, MoEConfig(**base, **over), corpus.vocab_size, s, seed, steps)
-            for name, over in run_specs(s["experts"], 1, s["seq_len"], min_epoch, cache_on, cache_off)]
+            for name, over in run_specs(s["experts"], 1, s["seq_len"], min_epoch, cache_on, cache_off)
+            if only is None or name in only]
     log(f"bench dynamic: {len(runs)} runs x {steps} steps ({s['epochs']} epochs of {spe} steps, {s['samples']} "
         f"sequences of {s['seq_len']} bytes, batch {s['batch']}), {threads} thread(s); interleaved step by step")
     order = random.Random(seed)
@@ -254,6 +277,7 @@ def run(s: dict, seed: int = 0, threads: int = 0, log=print, min_epoch: int = 2,
         if step % spe == 0:
             for r in runs:
                 r.val.append((epoch + 1, r.evaluate(valid, s["batch"])))
+                r.epoch_marks.append((float(r.clock.dropped), r.clock.assignments, r.clock.rows))
             log(f"  epoch {epoch + 1:3d}/{s['epochs']}: valid loss " +
                 " ".join(f"{r.name}={r.val[-1][1]:.3f}" for r in runs))
     for r in runs:
@@ -265,8 +289,10 @@ def run(s: dict, seed: int = 0, threads: int = 0, log=print, min_epoch: int = 2,
                          wall_s=time.perf_counter() - t_start, load_avg=[load_start, os.getloadavg()[0]]),
            "runs": [r.result(s["skip"]) for r in runs]}
     byname = {r["name"]: r for r in res["runs"]}
-    res["ratios"] = ratios(byname, s["skip"])
-    res["fig10"] = byname["dynamic+cache"]["cache"]["history"]
+    if only is None:
+        res["ratios"] = ratios(byname, s["skip"])
+    if "dynamic+cache" in byname:
+        res["fig10"] = byname["dynamic+cache"]["cache"]["history"]
     return res
 
 

@@ -20,6 +20,13 @@ between steps, through RECOMPILE (``recompile.py``), so the shapes stay static w
   recompilation. So shrinking recompiles at most steps / min_interval times, growing only when the smoothed demand
   rises past the headroom, and jitter inside the band changes nothing.
 
+  With ``capacity_quantile`` q > 0 the target is instead each expert's q-quantile of its demand over the last
+  ``capacity_window`` steps (at least average x (1 + headroom)), and an expert grows as soon as that quantile
+  exceeds its capacity. The average-based rule grows an expert only once it drops on AVERAGE, so an expert whose
+  mean sits just under its capacity overflows on every above-average batch; at the same average factor that drops
+  more than one flat static factor, which gives every expert the same slack. The quantile bounds each expert's
+  overflow to about 1 - q of the steps whatever its demand's spread.
+
 Demand is per source rank (capacity is per source rank in the capacity dispatch), maximised over the ranks of the
 job so every rank applies the same capacities. "Average capacity factor" = buffer rows / assignments (1.0 = no
 padding and nothing dropped on average).
@@ -89,10 +96,13 @@ class DynamicCapacityPolicy:
     have landed)."""
 
     def __init__(self, num_experts: int, headroom: float = 0.1, smoothing: float = 0.9, hysteresis: float = 0.25,
-                 quantum: int = 8, min_capacity: int = 4, min_interval: int = 10, spread: float = 2.0):
+                 quantum: int = 8, min_capacity: int = 4, min_interval: int = 10, spread: float = 2.0,
+                 quantile: float = 0.0, window: int = 32):
         self.num_experts, self.headroom, self.smoothing = num_experts, headroom, smoothing
         self.hysteresis, self.quantum, self.min_capacity = hysteresis, quantum, min_capacity
         self.min_interval, self.spread = min_interval, spread
+        self.quantile, self.window = float(quantile), int(window)
+        self.history: Dict[int, torch.Tensor] = {}       # layer -> [<= window, E] recent demand (quantile mode)
         self.average: Dict[int, torch.Tensor] = {}
         self.variance: Dict[int, torch.Tensor] = {}
         self.capacity: Dict[int, List[int]] = {}
@@ -103,13 +113,15 @@ class DynamicCapacityPolicy:
     @classmethod
     def from_config(cls, cfg) -> "DynamicCapacityPolicy":
         return cls(cfg.num_experts, cfg.capacity_headroom, cfg.capacity_smoothing, cfg.capacity_hysteresis,
-                   cfg.capacity_quantum, cfg.min_capacity, cfg.capacity_min_interval, cfg.capacity_spread)
+                   cfg.capacity_quantum, cfg.min_capacity, cfg.capacity_min_interval, cfg.capacity_spread,
+                   cfg.capacity_quantile, cfg.capacity_window)
 
     def state_dict(self) -> dict:
         return {"average": {k: v.clone() for k, v in self.average.items()},
                 "variance": {k: v.clone() for k, v in self.variance.items()},
                 "capacity": {k: list(v) for k, v in self.capacity.items()},
-                "last_change": dict(self.last_change), "calls": dict(self.calls), "decisions": self.decisions}
+                "last_change": dict(self.last_change), "calls": dict(self.calls), "decisions": self.decisions,
+                "history": {k: v.clone() for k, v in self.history.items()}}
 
     def load_state_dict(self, state: dict) -> None:
         def tensors(d):
@@ -119,13 +131,22 @@ class DynamicCapacityPolicy:
         self.last_change = {int(k): int(v) for k, v in state.get("last_change", {}).items()}
         self.calls = {int(k): int(v) for k, v in state.get("calls", {}).items()}
         self.decisions = int(state.get("decisions", 0))
+        self.history = tensors(state.get("history", {}))
 
     def target(self, average: torch.Tensor, std: Optional[torch.Tensor] = None) -> List[int]:
         """Per expert: average + max(headroom x average, spread x std), rounded up to the quantum, >= min_capacity."""
         std = torch.zeros_like(average) if std is None else std
+        return self._rounded(average + torch.maximum(self.headroom * average, self.spread * std))
+
+    def _rounded(self, need: torch.Tensor) -> List[int]:
         q = self.quantum
-        need = average + torch.maximum(self.headroom * average, self.spread * std)
         return [max(int(math.ceil(float(n) / q - 1e-9)) * q, self.min_capacity) for n in need]
+
+    def quantile_target(self, layer: int, average: torch.Tensor) -> List[int]:
+        """Quantile mode: per expert, max(q-quantile of the recent demand, average x (1 + headroom)), rounded."""
+        recent = self.history[layer]
+        return self._rounded(torch.maximum(torch.quantile(recent, self.quantile, dim=0),
+                                           average * (1.0 + self.headroom)))
 
     def decide(self, layer: int, demand: torch.Tensor, step: Optional[int] = None) -> Optional[List[int]]:
         """New capacities for `layer` from the demand [E] of step `step` (max over source ranks), or None."""
@@ -140,14 +161,22 @@ class DynamicCapacityPolicy:
             avg = s * prev + (1.0 - s) * demand
             var = s * self.variance[layer] + (1.0 - s) * (demand - prev) ** 2
         self.average[layer], self.variance[layer] = avg, var
-        target = self.target(avg, var.sqrt())
+        if self.quantile > 0:
+            past = self.history.get(layer, demand.new_zeros(0, demand.numel()))
+            self.history[layer] = torch.cat([past, demand[None]])[-self.window:]
+            target = self.quantile_target(layer, avg)
+        else:
+            target = self.target(avg, var.sqrt())
         current = self.capacity.get(layer)
         if current is None:
             new = target
         else:
             waste = (sum(current) > sum(target) * (1.0 + self.hysteresis)
                      and step - self.last_change.get(layer, step) >= self.min_interval)
-            short = [float(a) > c for a, c in zip(avg, current)]
+            if self.quantile > 0:             # grow once the expert overflows in more than 1 - q of the steps
+                short = [t > c for t, c in zip(target, current)]
+            else:                             # grow once the expert drops on average
+                short = [float(a) > c for a, c in zip(avg, current)]
             if waste:
                 new = target                                   # shrink (and grow) every expert to its target
             elif any(short):

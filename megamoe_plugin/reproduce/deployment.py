@@ -185,6 +185,38 @@ def cache_table(c: dict, trace_desc: str) -> Table:
     return t
 
 
+# --- Fig. 13: memory vs latency of expert buffering ---------------------------------------------------------------
+FIG13_EXPERT_BYTES = 1024 * 4096 * 2 * 2        # an expert of H 1024, FFN 4096 in fp16 (two matrices)
+FIG13_HOST_BANDWIDTH = 12e9                     # paper 004 §VI: CPU-GPU copies saturated at 12 GB/s
+
+
+def fig13_table(trace: dict, c: dict, trace_desc: str) -> Table:
+    """Fig. 13: per cache size, the experts' static memory per device and the time one batch spends loading missed
+    experts from host memory (LIFO, the pooled miss rate of the held-out half x the expert activations per device
+    and batch x the expert's bytes / the host link)."""
+    ident = c["identity"]
+    _, test = _halves(trace)
+    S, L, _, E = test.shape
+    active = float((test.sum(2) > 0).sum()) / (S * c["devices"])      # expert activations per device and batch
+    label = from_trace(f"{trace_desc.split(' (')[0].replace('trace ', '')}; 16 MiB experts, 12 GB/s host link")
+    t = Table("fig13_memory_latency", "Fig. 13: expert memory vs expert-load latency per cache size (LIFO)",
+              ["cache/device", "expert memory per device (MiB)", "LIFO miss rate (pooled)",
+               "misses per device and batch", "expert loads per batch (ms)", "source"], fmt="{:.4g}")
+    for i, size in enumerate(ident["sizes"]):
+        rate = ident["pooled"]["lifo"][i]
+        misses = rate * active
+        t.add(size, size * FIG13_EXPERT_BYTES / 2**20, rate, misses,
+              misses * FIG13_EXPERT_BYTES / FIG13_HOST_BANDWIDTH * 1e3, label)
+    t.add("a series of sizes", "-", "-", "-", "Pareto frontier; latency grows as the cache shrinks, bounded by "
+          "the 12 GB/s CPU-GPU copies (values only in the figure)", PAPER)
+    t.notes += [f"{trace_desc}; held-out half ({S} batches), {c['devices']} devices x {E // c['devices']} "
+                f"experts, {active:.2f} expert activations per device and batch over the {L} layers.",
+                "memory = cache slots x one expert of H 1024 / FFN 4096 in fp16 (16 MiB; the paper's MT decoder "
+                "sizes are not in its text); latency = the misses' copies at 12 GB/s (the bandwidth the paper saw "
+                "saturate), serialised, nothing overlapped with compute: an upper bound on the added latency."]
+    return t
+
+
 # --- Fig. 14: load balancing ---------------------------------------------------------------------------------------
 def balance_results(trace: dict, devices: int = BALANCE_DEVICES, weight: float = 0.5) -> Dict[int, dict]:
     """{layer id: evaluate_placements(...)} (fit on the first half, evaluate on the second)."""
@@ -403,6 +435,7 @@ def run(out_dir: str, fast: bool, log=print, trace: Optional[str] = None, gating
     cache = cache_results(tr, CACHE_DEVICES)
     tables.append(cache_table(cache, desc))
     figures.append(save_figure(figure12(cache), out_dir, "fig12_miss_rate"))
+    tables.append(fig13_table(tr, cache, desc))
     bal = balance_results(tr, BALANCE_DEVICES)
     tables.append(balance_table(bal, BALANCE_DEVICES, S, desc))
     figures.append(save_figure(figure14(bal, BALANCE_DEVICES), out_dir, "fig14_load_balance"))

@@ -12,6 +12,13 @@ its ``default`` (a few minutes on 2 cores). This module only presents the result
   no-drop static factor; the paper's Fig. 6 speedups (1.4x dynamic, 1.7x with caching) as ``paper`` rows;
 * ``fig10_cached_fraction`` (table + PNG): per epoch of the dynamic + cache run, the fraction of tokens whose
   assignment did not change since the previous epoch and whether caching was on, against the paper's thresholds;
+* ``fig9_tradeoff``: each dynamic policy against the static curve at the same average factor, at the same dropped
+  fraction and at the same step time (why the average rule drops more, and the quantile policy beside it);
+* ``fig9_per_epoch``: dropped fraction and average factor per epoch of each capacity run (where the drops happen);
+* ``fig8_capacity`` (table + PNG): the first MoE layer's per-expert capacity factors and demand ratios over training;
+* ``fig10_caching_regime`` (table + PNG): a second bench call in the regime where the paper's caching pays (a small
+  fixed dataset over many epochs, top-1; only no-drop, dynamic and dynamic + cache): the cached-fraction curve and
+  the step time with caching on;
 * ``anchors``: each of the paper's headline numbers in a ``paper`` row, followed by what this run measured.
 
 The bench trains on the CPU (it never moves the model to a GPU), so its rows say ``measured here (CPU)`` on any
@@ -23,7 +30,8 @@ from typing import Dict, List, Optional
 
 from .common import mark_fast, PAPER, Table, header, print_tables, save_figure
 
-__all__ = ["PAPER_NUMBERS", "run", "tables_from_results", "interp_static_drop"]
+__all__ = ["PAPER_NUMBERS", "run", "tables_from_results", "interp_static_drop", "interp", "tradeoff_table",
+           "capacity_table", "caching_table"]
 
 CPU = "measured here (CPU)"        # bench/dynamic.py trains on the CPU whatever the machine has
 PAPER_NUMBERS = {
@@ -35,7 +43,170 @@ PAPER_NUMBERS = {
     "cache_speedup": 1.15,            # §5.3: the speedup caching gave in Fig. 10's training
 }
 STATIC = ("static CF=1", "static CF=2", "static CF=4", "static no-drop")
-DYNAMIC = ("dynamic", "dynamic spread=0")
+DYNAMIC = ("dynamic", "dynamic spread=0", "dynamic q=0.9")
+CACHE_RUNS = ["static no-drop", "dynamic", "dynamic+cache"]
+# the caching regime (§5.3: a fixed dataset trained to convergence over many epochs): few samples, many epochs,
+# top-1, caching allowed from the paper's epoch 10
+CACHING = {"quick": dict(samples=16, epochs=20), "default": dict(samples=48, epochs=60)}
+CACHING_MIN_EPOCH = {"quick": 4, "default": 10}
+
+
+def interp(points, x: float) -> Optional[float]:
+    """Piecewise-linear y(x) through ``points`` [(x, y)] (sorted here), None outside their x range."""
+    pts = sorted(points)
+    for (x0, y0), (x1, y1) in zip(pts, pts[1:]):
+        if x0 <= x <= x1:
+            return y0 if x1 == x0 else y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+    return None
+
+
+def tradeoff_table(results: List[dict]) -> Table:
+    """Fig. 9 read three ways, on the means over the seeds: each dynamic run against the static factors at its
+    average capacity factor, at its dropped fraction and at its step time (static points interpolated)."""
+    by_seed = [{r["name"]: r for r in res["runs"]} for res in results]
+
+    def mean(name, key):
+        return sum(runs[name][key] for runs in by_seed) / len(by_seed)
+
+    st = {n: {k: mean(n, k) for k in ("avg_capacity_factor", "dropped_fraction", "step_ms", "val_loss")}
+          for n in STATIC}
+    cf_drop = [(v["avg_capacity_factor"], v["dropped_fraction"]) for v in st.values()]
+    drop_cf = [(v["dropped_fraction"], v["avg_capacity_factor"]) for v in st.values()]
+    cf_step = [(v["avg_capacity_factor"], v["step_ms"]) for v in st.values()]
+    cf_loss = [(v["avg_capacity_factor"], v["val_loss"]) for v in st.values()]
+    t = Table("fig9_tradeoff", f"Fig. 9 read at equal factor, equal drop rate and equal step time (means over "
+              f"{len(results)} seed(s); static points interpolated)",
+              ["dynamic run", "its CF / dropped % / step ms / valid loss", "static at equal CF: dropped %",
+               "static at equal drop rate: CF / step ms / valid loss", "dynamic faster than static at equal drops",
+               "source"])
+    for name in DYNAMIC + ("dynamic+cache",):
+        if not all(name in runs for runs in by_seed):
+            continue
+        cf, dr, ms, vl = (mean(name, k) for k in ("avg_capacity_factor", "dropped_fraction", "step_ms", "val_loss"))
+        at_cf = interp(cf_drop, cf)
+        eq_cf = interp(drop_cf, dr)
+        eq_ms = None if eq_cf is None else interp(cf_step, eq_cf)
+        eq_loss = None if eq_cf is None else interp(cf_loss, eq_cf)
+        t.add(name, f"{cf:.2f} / {100 * dr:.1f}% / {ms:.1f} / {vl:.4f}",
+              "-" if at_cf is None else f"{100 * at_cf:.1f}%",
+              "-" if eq_cf is None else f"{eq_cf:.2f} / {eq_ms:.1f} / {eq_loss:.4f}",
+              "-" if eq_ms is None else f"{eq_ms / ms:.3f}x", CPU)
+    t.add("dynamic (paper)", "-", "-", "-", "1.4x at the accuracy of the no-drop factor", PAPER)
+    t.notes += [
+        "static curve: the four static runs' (CF, dropped fraction), (CF, step ms), (CF, valid loss), each mean over "
+        "the seeds, joined by straight lines; 'at equal drop rate' finds the static CF with the dynamic run's "
+        "dropped fraction on that line and reads its step time and loss there. A static step time within the "
+        "seeds' spread of the dynamic one is a tie, not a result.",
+        "why the average rule ('dynamic') can drop more than a static factor at the same average factor: it grows "
+        "an expert only once the expert's smoothed demand exceeds its capacity, i.e. once it drops on AVERAGE, so "
+        "an expert whose mean sits just under its capacity overflows on every above-average batch, and its "
+        "smoothed demand lags the fast-changing routing of the first epochs (fig9_per_epoch: where the drops "
+        "are). 'dynamic q=0.9' (--moe-capacity-quantile 0.9) grows an expert as soon as the 0.9-quantile of its "
+        "demand over the last 32 steps exceeds its capacity."]
+    return t
+
+
+def per_epoch_table(res: dict) -> Table:
+    """Dropped fraction and average capacity factor per epoch of every capacity run (where the drops happen)."""
+    names = [n for n in STATIC[:3] + DYNAMIC if any(r["name"] == n for r in res["runs"])]
+    runs = {r["name"]: r for r in res["runs"]}
+    epochs = len(runs[names[0]]["per_epoch"])
+    t = Table("fig9_per_epoch", "Fig. 9's runs per epoch: dropped % (average capacity factor)",
+              ["run"] + [f"epoch {e + 1}" for e in range(epochs)] + ["source"])
+    for n in names:
+        t.add(n, *[f"{100 * e['dropped_fraction']:.1f}% ({e['avg_capacity_factor']:.2f})"
+                   for e in runs[n]["per_epoch"]], CPU)
+    t.add("paper (§5.2, Fig. 8)", "the imbalance varies over training; no per-epoch drops given",
+          *["-"] * (epochs - 1), PAPER)
+    t.notes.append(f"seed {res['setup']['seed']}; per epoch: assignments cut by the capacity / assignments, and "
+                   "buffer rows / assignments, over that epoch's training steps. The balance loss evens the routing "
+                   "out over the first epochs, so a static factor's drops are front-loaded; a dynamic policy that "
+                   "lags the demand drops early too and keeps dropping on batch-to-batch jitter once it has shrunk.")
+    return t
+
+
+def capacity_table(res: dict, name: str = "dynamic") -> Optional[Table]:
+    """Fig. 8: the first MoE layer's per-expert capacity factor (capacity / mean demand per expert) over training,
+    at a few points, and the spread of the demand between experts."""
+    run = next((r for r in res["runs"] if r["name"] == name and r.get("capacity_trace")), None)
+    if run is None:
+        return None
+    s = res["setup"]
+    per_expert = s["batch"] * s["seq_len"] / s["moe"]["num_experts"]        # tokens per expert at perfect balance
+    caps, dem = run["capacity_trace"], run["demand_trace"]
+    t = Table("fig8_capacity", f"Fig. 8: per-expert capacity factors over training ({name}, first MoE layer)",
+              ["step", "capacity factor per expert (capacity / (tokens / E))", "demand / mean demand per expert",
+               "source"])
+    n = len(caps)
+    for i in sorted({0, n // 8, n // 4, n // 2, 3 * n // 4, n - 1}):
+        c, d = caps[i], dem[i]
+        if not c:
+            continue
+        m = sum(d) / len(d) if d else 0.0
+        t.add(i + 1, " ".join(f"{x / per_expert:.2f}" for x in c),
+              " ".join(f"{x / m:.2f}" for x in d) if m > 0 else "-", CPU)
+    t.add("over training", "different per expert and over time", "imbalanced, varies over training", PAPER)
+    t.notes.append(f"capacity factor of an expert = its capacity / (tokens per step / E) = capacity / "
+                   f"{per_expert:g}; demand = the policy's moving average of the assignments the gate sent the "
+                   "expert (before the capacity cut) / its mean over the experts (the paper's 'ratio to the average "
+                   "number of samples').")
+    return t
+
+
+def figure8(res: dict, name: str = "dynamic"):
+    import matplotlib
+    matplotlib.use("Agg", force=False)
+    import matplotlib.pyplot as plt
+
+    run = next(r for r in res["runs"] if r["name"] == name)
+    s = res["setup"]
+    per_expert = s["batch"] * s["seq_len"] / s["moe"]["num_experts"]
+    caps, dem = run["capacity_trace"], run["demand_trace"]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    E = len(caps[-1])
+    for e in range(E):
+        ax.plot([c[e] / per_expert if c else None for c in caps], color=f"C{e % 10}", lw=1.4)
+        ax.plot([d[e] / (sum(d) / len(d)) if d and sum(d) > 0 else None for d in dem], color=f"C{e % 10}",
+                lw=0.8, alpha=0.35)
+    ax.set_xlabel("training step")
+    ax.set_ylabel("capacity factor (solid) / demand ratio (dim)")
+    ax.set_title(f"DynaMoE Fig. 8: per-expert capacity factors ({name}, first MoE layer; measured here, CPU)",
+                 fontsize=9)
+    ax.grid(alpha=0.3)
+    return fig
+
+
+def caching_table(res: dict) -> Table:
+    """Fig. 10 in the caching regime: per epoch, the fraction not reassigned and caching on/off, and the step
+    times of dynamic + cache vs dynamic there."""
+    s = res["setup"]
+    runs = {r["name"]: r for r in res["runs"]}
+    c = runs["dynamic+cache"]
+    t = Table("fig10_caching_regime", f"Fig. 10 in the caching regime: {s['samples']} sequences, {s['epochs']} "
+              "epochs (a fixed small dataset trained to convergence)", ["epoch", "fraction not reassigned",
+                                                                       "caching on after it", "source"])
+    for epoch, frac, on in res["fig10"]:
+        if frac is not None:
+            t.add(int(epoch), float(frac), "on" if on else "off", CPU)
+    cache = c.get("cache", {})
+    sk = s["skip"]
+
+    def mean_after(r, key):
+        xs = r[key][sk:]
+        return sum(xs) / len(xs)
+
+    d = runs["dynamic"]
+    t.add("dynamic+cache vs dynamic", f"step {mean_after(d, 'step_s') / mean_after(c, 'step_s'):.3f}x, MoE layers "
+          f"{mean_after(d, 'moe_s') / mean_after(c, 'moe_s'):.3f}x", f"on from epoch {cache.get('on_epoch')}"
+          if cache.get("on_epoch") is not None else "never on", CPU)
+    t.add("10 onward", ">= 0.96", "on (1.15x from caching)", PAPER)
+    t.notes += [f"tiny GPT as in Fig. 9 (E={s['moe']['num_experts']} top-1 switch), {s['samples']} training "
+                f"sequences walked in the same order every epoch, {s['epochs']} epochs = {s['steps']} steps, "
+                f"caching allowed from epoch {s['cache_min_epoch']} at >= {s['cache_on']:g} (off below "
+                f"{s['cache_off']:g}); runs {', '.join(CACHE_RUNS)} interleaved step by step.",
+                f"caching took effect in epoch {cache['on_epoch']} ({cache['cached_calls']} MoE layer calls used "
+                "cached assignments)" if cache.get("on_epoch") is not None else "caching never turned on"]
+    return t
 
 
 def interp_static_drop(runs: Dict[str, dict], cf: float) -> Optional[float]:
@@ -128,6 +299,18 @@ def tables_from_results(res: dict) -> List[Table]:
            if fr else "no epoch pair; ")
           + (f"caching on in epoch {cache['on_epoch']}" if cache.get("on_epoch") is not None else "caching never on"),
           CPU)
+    a.add("Fig. 4", "DynaMoE without RECOMPILE vs FastMoE (1 GPU)", "up to 1.8x faster; 2.3x larger models before "
+          "OOM", PAPER)
+    a.add("Fig. 4", "DynaMoE without RECOMPILE vs FastMoE (1 GPU)", "no row: needs a GPU and FastMoE (neither is "
+          "here; our layer vs megatron-core's on CPU is in BENCHMARKS.md, a different baseline)",
+          "not run here: needs a GPU and FastMoE")
+    a.add("Fig. 5", "scaling with GPUs (throughput, model size)", "linear", PAPER)
+    a.add("Fig. 5", "scaling with GPUs (throughput, model size)", "no row: needs several GPUs",
+          "not run here: needs several GPUs")
+    a.add("Fig. 7", "specification vs cooperation loss", "specification significantly better", PAPER)
+    a.add("Fig. 7", "specification vs cooperation loss", "`python examples/dynamic/spec_vs_coop.py` (about 2 "
+          "minutes; examples/reproduce/all.sh adds its table to docs/results.md)",
+          "not run here: run by examples/reproduce/all.sh")
     a.notes.append(setup)
     return [f9, f10, a]
 
@@ -254,10 +437,22 @@ def run(out_dir: str, fast: bool, log=print, seed: int = 0, seeds: Optional[int]
     tables = tables_from_results(res)
     if n > 1:
         tables.insert(1, seeds_table(results))
-    paths = [t.write(out_dir) for t in mark_fast(tables, fast)]
+    tables.insert(1, tradeoff_table(results))
+    tables.insert(2, per_epoch_table(res))
     figures = [save_figure(figure9(res), out_dir, "fig9_runtime_vs_loss"),
                save_figure(figure10(res), out_dir, "fig10_cached_fraction")]
+    cap = capacity_table(res)
+    if cap is not None:
+        tables.append(cap)
+        figures.append(save_figure(figure8(res), out_dir, "fig8_capacity"))
+    key = "quick" if fast else "default"
+    log(f"caching regime: {CACHING[key]['samples']} sequences x {CACHING[key]['epochs']} epochs ...")
+    regime = bench.run(dict(setting, **CACHING[key]), seed=seed, log=log, only=CACHE_RUNS,
+                       min_epoch=CACHING_MIN_EPOCH[key])
+    tables.append(caching_table(regime))
+    figures.append(save_figure(figure10(regime), out_dir, "fig10_caching_regime"))
     if n > 1:
         figures.append(save_figure(figure9_seeds(results), out_dir, "fig9_seeds"))
+    paths = [t.write(out_dir) for t in mark_fast(tables, fast)]
     print_tables(tables, figures, log, fast=fast)
     return {"tables": paths, "figures": figures}

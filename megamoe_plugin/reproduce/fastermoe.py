@@ -36,7 +36,7 @@ numbers (12 GB/s per GPU inside a node, 6.25 GB/s per node between nodes): GShar
 factor 1.0, random routing of the second expert), Switch (top-1, capacity factor 1.0), top-2 without a
 topology-aware gate (naive, dropless: FastMoE's faithful top-2) and with FasterMoE's Hir gate (``--moe-gate hir``).
 The target is the worst run's best validation loss (the paper uses LM loss 4.0); iterations and training wall
-time to it are ``measured here``, with the share of assignments that crossed nodes from each run's routing trace.
+time to it are ``measured here`` (the runs interleaved one evaluation interval at a time, ``training.py``), with the share of assignments that crossed nodes from each run's routing trace.
 Predicted rows replay each run's routing through johnny's cost model on the same 2 x 2 topology at MoE-GPT-S's
 layer size (capacity runs: their padded buffers), for the MoE layers only, and add the FasterMoE optimisations
 (shadowing + smart schedule) for the naive and Hir runs (the paper's "FasterMoE w/o and w/ topo. gate").
@@ -59,8 +59,8 @@ import torch
 
 from .common import (mark_fast, PAPER, Table, fork_processes, header, measured, predicted, print_tables, save_figure,
                      shipped_trace)
-from .tamoe import (common_target, machine_note, offnode_share, time_to_target,
-                    train_in_workers, warm_up_in_workers)
+from .tamoe import machine_note, offnode_share
+from .training import common_target, time_to_target, train_interleaved_in_workers, warm_up_in_workers
 
 __all__ = ["run", "PAPER_FIG9_R2", "PAPER_FIG10", "PAPER_FIG11", "PAPER_FIG12", "PAPER_FIG13", "PAPER_TABLE3", "RUNS",
            "zero_comparison", "smart_per_layer"]
@@ -118,10 +118,8 @@ def _calib_worker(rank: int, world: int, fast: bool, result_file: str) -> None:
 
 def _train_worker(rank: int, world: int, plan: dict, result_file: str) -> None:
     warm_up_in_workers(rank, plan["runs"]["naive"])
-    res = {}
-    for name, flags in plan["runs"].items():
-        res[name] = train_in_workers(rank, flags, os.path.join(plan["out"], f"fastermoe_train_{name}.log"),
-                                     os.path.join(plan["tmp"], f"trace_{name}"))
+    logs = {name: os.path.join(plan["out"], f"fastermoe_train_{name}.log") for name in plan["runs"]}
+    res = train_interleaved_in_workers(rank, plan["runs"], logs, plan["tmp"])
     if rank == 0:
         with open(result_file, "w") as f:
             json.dump(res, f)

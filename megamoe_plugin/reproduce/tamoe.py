@@ -27,7 +27,7 @@ neighbour); time per destination and of the whole exchange ("All").
 ``megamoe train`` runs on 4 gloo processes with expert parallelism 4 over the topology [[0,1],[2,3]] (link
 bandwidths: the Table 1 fit), identical but for ``--moe-gate gshard`` vs ``--moe-gate ta_moe``. For each:
 validation loss every ``eval_interval`` steps; the target is the worse run's best validation loss, and steps and
-training wall time (evaluation excluded, from the trainer's tokens/s) to first reach it are ``measured here``; the
+training wall time (evaluation excluded: the trainer's own step timing, runs interleaved) to first reach it are ``measured here``; the
 fraction of dispatched assignments that crossed nodes is counted from the run's routing trace. Predicted rows
 replay each run's recorded routing through the Table 1 fit network, each source's dispatch scaled to Table 1's
 128 MiB: all-to-all time per step (4 exchanges per MoE layer: 2 forward, 2 backward) and that time summed over the
@@ -35,13 +35,12 @@ steps to the target. On this machine the links are equal, so the measured wall t
 
 ``--fast`` (CI): 8 MiB exchanges, 40 training steps of a tiny model; full: 128 MiB, 300 steps of a small one.
 
-The helpers ``train_in_workers``, ``warm_up_in_workers``, ``time_to_target`` and
-``offnode_share`` are shared with ``reproduce/fastermoe.py``. Before the timed runs a few silent steps warm the
-processes up (the first run would otherwise pay one-time costs).
+The runs are interleaved one evaluation interval at a time (``training.train_interleaved_in_workers``); before
+them a few silent steps warm the processes up (the first run would otherwise pay one-time costs). ``offnode_share``
+and ``machine_note`` are shared with ``reproduce/fastermoe.py``.
 """
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import statistics
@@ -53,9 +52,10 @@ import torch
 import torch.distributed as dist
 
 from .common import mark_fast, PAPER, Table, fork_processes, header, measured, predicted, print_tables, save_figure
+from .training import _flag, common_target, time_to_target, train_interleaved_in_workers, warm_up_in_workers
 
-__all__ = ["run", "PAPER_TABLE1", "PATTERNS", "fitted_topology", "train_in_workers",
-           "warm_up_in_workers", "time_to_target", "common_target", "offnode_share", "machine_note"]
+__all__ = ["run", "PAPER_TABLE1", "PATTERNS", "fitted_topology", "time_to_target", "common_target", "offnode_share",
+           "machine_note"]
 
 MIB = 2 ** 20
 TOPOLOGY = "[[0,1],[2,3]]"
@@ -80,60 +80,6 @@ FULL_MODEL = ["--hidden", "64", "--layers", "2", "--heads", "2", "--ffn-hidden",
 
 
 # --------------------------------------------------------------------------------------------- shared helpers
-def _flag(flags: Sequence[str], name: str) -> str:
-    return flags[len(flags) - 1 - list(reversed(flags)).index(name) + 1]
-
-
-def train_in_workers(rank: int, flags: List[str], log_path: str, trace_path: str) -> Optional[dict]:
-    """Inside ``fork_processes`` workers (collective): ``megamoe train`` with ``flags`` plus a routing trace;
-    rank 0's log goes to ``log_path``. Rank 0 returns evals [(step, valid loss)], per-log-line training seconds
-    (tokens/s turned back into time, evaluation excluded), the merged routing counts [S, L, P, E] and the wall
-    time of the whole call; the other ranks None."""
-    from .. import train
-    from ..stats import load_trace
-    t0 = time.perf_counter()
-    with open(log_path if rank == 0 else os.devnull, "w") as f, contextlib.redirect_stdout(f):
-        res = train.main(list(flags) + ["--trace", trace_path])
-    dist.barrier()
-    if rank:
-        return None
-    world = dist.get_world_size()
-    tokens_per_step = int(_flag(flags, "--batch-size")) * int(_flag(flags, "--seq-len")) * world
-    elapsed, prev, seconds = 0.0, res.start_step, {}
-    for h in res.history:
-        elapsed += (h["step"] - prev) * tokens_per_step / max(h["tokens_per_s"], 1e-9)
-        seconds[h["step"]] = elapsed
-        prev = h["step"]
-    trace = load_trace(trace_path)
-    return {"evals": [(int(e["step"]), float(e["loss"])) for e in res.evals], "train_seconds": seconds,
-            "counts": trace["counts"].tolist(), "wall_s": time.perf_counter() - t0,
-            "tokens_per_step": tokens_per_step, "log": log_path}
-
-
-def warm_up_in_workers(rank: int, flags: List[str], steps: int = 3) -> None:
-    """Inside ``fork_processes`` workers (collective): a few silent steps of ``megamoe train`` with ``flags`` so
-    that one-time costs (allocator, kernel selection, connections) do not land in the first timed run."""
-    from .. import train
-    with open(os.devnull, "w") as f, contextlib.redirect_stdout(f):
-        train.main(list(flags) + ["--steps", str(steps), "--eval-interval", "0", "--eval-batches", "1",
-                                  "--log-interval", str(steps)])
-    dist.barrier()
-
-
-def time_to_target(run: dict, target: float):
-    """(steps, training seconds) at the first evaluation whose validation loss is <= target; (None, None) if none."""
-    for step, loss in run["evals"]:
-        if loss <= target + 1e-12:
-            secs = run["train_seconds"].get(step, run["train_seconds"].get(str(step)))
-            return step, secs
-    return None, None
-
-
-def common_target(runs: Sequence[dict]) -> float:
-    """The worse run's best validation loss: every run reaches it."""
-    return max(min(loss for _, loss in r["evals"]) for r in runs)
-
-
 def machine_note() -> str:
     """How busy this machine was: measured rows on a shared machine are only as good as its load."""
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
@@ -278,9 +224,8 @@ def measure_table1(rank: int, patterns: Dict[str, tuple], total_bytes: int, iter
 def _worker(rank: int, world: int, plan: dict, result_file: str) -> None:
     res = {"table1": measure_table1(rank, plan["patterns"], plan["bytes"], plan["iters"]), "runs": {}}
     warm_up_in_workers(rank, next(iter(plan["runs"].values())))
-    for gate, flags in plan["runs"].items():
-        res["runs"][gate] = train_in_workers(rank, flags, os.path.join(plan["out"], f"tamoe_train_{gate}.log"),
-                                             os.path.join(plan["tmp"], f"trace_{gate}"))
+    logs = {gate: os.path.join(plan["out"], f"tamoe_train_{gate}.log") for gate in plan["runs"]}
+    res["runs"] = train_interleaved_in_workers(rank, plan["runs"], logs, plan["tmp"])
     if rank == 0:
         with open(result_file, "w") as f:
             json.dump(res, f)
