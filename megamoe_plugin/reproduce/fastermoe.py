@@ -434,7 +434,9 @@ def run(out_dir: str, fast: bool, log=print, cluster_results=None) -> dict:
         "its top-2 assignments off-node), same seed, data and initial weights; "
         f"flags {' '.join(model)}; logs fastermoe_train_<run>.log.",
         "measured: iterations and training wall time (evaluation excluded) to the first evaluation at or below the "
-        "target (the worst run reaches it at its best evaluation by construction: its count is a lower bound), on this machine's loopback gloo (no slow inter-node link: the Hir gate cannot save time here); "
+        "target (the worst run reaches it at its best evaluation by construction: its count is a lower bound), on "
+        "this machine's unshaped loopback gloo (no slow inter-node link: the Hir gate cannot save time there; the "
+        "emulated cluster's rows have one); "
         "iter. time = mean over the run. off-node share: assignments whose expert is on the other node (even "
         "routing: 1/2).",
         f"predicted: each run's recorded routing scaled to {TOKENS_PER_WORKER} tokens per worker, MoE-GPT-S's layer "

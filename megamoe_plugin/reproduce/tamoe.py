@@ -19,9 +19,10 @@ neighbour); time per destination and of the whole exchange ("All").
   the chunk alone (``dist.send``; time from rank 0's send to the receiver's completion, both read from the one
   monotonic clock this host shares); All, rank 0 ``isend``s its three chunks at once; all 4 ranks: a real
   ``all_to_all_single`` with the pattern's uneven split sizes (all-to-all-v), the slowest rank's time. Medians.
-  gloo on one machine moves every pair over loopback TCP on the same cores: there is no inter-node link, and the
-  package has no way to emulate a slower one, so these rows cannot show the topology effect; they show what the
-  uneven pattern costs when every link is equal (its largest chunk doubles).
+  gloo on one machine without shaping moves every pair over loopback TCP on the same cores, so these rows cannot
+  show the topology effect; they show what the uneven pattern costs when every link is equal (its largest chunk
+  doubles). The topology effect is measured on the emulated cluster (``megamoe bench gates``: shaped links), whose
+  rows ``--cluster-results`` adds.
 
 **Convergence** (paper §5: TA-MoE's loss keeps the model quality and speeds up time to convergence): two
 ``megamoe train`` runs on 4 gloo processes with expert parallelism 4 over the topology [[0,1],[2,3]] (link
