@@ -125,15 +125,23 @@ def per_epoch_table(res: dict) -> Table:
     return t
 
 
-def capacity_table(res: dict, name: str = "dynamic") -> Optional[Table]:
-    """Fig. 8: the first MoE layer's per-expert capacity factor (capacity / mean demand per expert) over training,
-    at a few points, and the spread of the demand between experts."""
+def _fig8_data(res: dict, name: str):
+    """(capacities per step, smoothed demand per step, tokens per expert at perfect balance) of run ``name``'s
+    first MoE layer, or None when the run recorded none."""
     run = next((r for r in res["runs"] if r["name"] == name and r.get("capacity_trace")), None)
     if run is None:
         return None
     s = res["setup"]
-    per_expert = s["batch"] * s["seq_len"] / s["moe"]["num_experts"]        # tokens per expert at perfect balance
-    caps, dem = run["capacity_trace"], run["demand_trace"]
+    return run["capacity_trace"], run["demand_trace"], s["batch"] * s["seq_len"] / s["moe"]["num_experts"]
+
+
+def capacity_table(res: dict, name: str = "dynamic") -> Optional[Table]:
+    """Fig. 8: the first MoE layer's per-expert capacity factor (capacity / mean demand per expert) over training,
+    at a few points, and the spread of the demand between experts."""
+    data = _fig8_data(res, name)
+    if data is None:
+        return None
+    caps, dem, per_expert = data
     t = Table("fig8_capacity", f"Fig. 8: per-expert capacity factors over training ({name}, first MoE layer)",
               ["step", "capacity factor per expert (capacity / (tokens / E))", "demand / mean demand per expert",
                "source"])
@@ -158,10 +166,7 @@ def figure8(res: dict, name: str = "dynamic"):
     matplotlib.use("Agg", force=False)
     import matplotlib.pyplot as plt
 
-    run = next(r for r in res["runs"] if r["name"] == name)
-    s = res["setup"]
-    per_expert = s["batch"] * s["seq_len"] / s["moe"]["num_experts"]
-    caps, dem = run["capacity_trace"], run["demand_trace"]
+    caps, dem, per_expert = _fig8_data(res, name)
     fig, ax = plt.subplots(figsize=(7, 4))
     E = len(caps[-1])
     for e in range(E):
@@ -218,11 +223,7 @@ def caching_table(res: dict) -> Table:
 
 def interp_static_drop(runs: Dict[str, dict], cf: float) -> Optional[float]:
     """The static runs' dropped fraction linearly interpolated at average capacity factor `cf` (None outside)."""
-    pts = sorted((runs[n]["avg_capacity_factor"], runs[n]["dropped_fraction"]) for n in STATIC if n in runs)
-    for (x0, y0), (x1, y1) in zip(pts, pts[1:]):
-        if x0 <= cf <= x1:
-            return y0 if x1 == x0 else y0 + (y1 - y0) * (cf - x0) / (x1 - x0)
-    return None
+    return interp([(runs[n]["avg_capacity_factor"], runs[n]["dropped_fraction"]) for n in STATIC if n in runs], cf)
 
 
 def tables_from_results(res: dict) -> List[Table]:

@@ -60,7 +60,7 @@ import torch
 from .common import (mark_fast, PAPER, Table, fork_processes, header, measured, predicted, print_tables, save_figure,
                      shipped_trace)
 from .tamoe import machine_note, offnode_share
-from .training import common_target, time_to_target, train_interleaved_in_workers, warm_up_in_workers
+from .training import _flag, common_target, time_to_target, train_interleaved_in_workers, warm_up_in_workers
 
 __all__ = ["run", "PAPER_FIG9_R2", "PAPER_FIG10", "PAPER_FIG11", "PAPER_FIG12", "PAPER_FIG13", "PAPER_TABLE3", "RUNS",
            "zero_comparison", "smart_per_layer"]
@@ -123,10 +123,6 @@ def _train_worker(rank: int, world: int, plan: dict, result_file: str) -> None:
     if rank == 0:
         with open(result_file, "w") as f:
             json.dump(res, f)
-
-
-def _flag(flags, name):
-    return flags[len(flags) - 1 - flags[::-1].index(name) + 1]
 
 
 def _train_flags(fast: bool, extra: List[str]) -> List[str]:

@@ -90,8 +90,8 @@ def train_interleaved_in_workers(rank: int, runs: Dict[str, List[str]], log_path
     for name, flags in runs.items():
         if int(_flag(flags, "--eval-interval")) != every or int(_flag(flags, "--steps")) != total:
             raise ValueError(f"run {name}: every interleaved run needs --steps {total} --eval-interval {every}")
-    out = {n: {"evals": [], "train_seconds": {}, "counts": [], "wall_s": 0.0, "log": log_paths[n],
-               "seconds_so_far": 0.0} for n in names}
+    out = {n: {"evals": [], "train_seconds": {}, "counts": [], "wall_s": 0.0, "log": log_paths[n]} for n in names}
+    trained_s = dict.fromkeys(names, 0.0)           # training seconds of each run's chunks so far
     for chunk in range((total + every - 1) // every):
         for name in names[chunk % len(names):] + names[:chunk % len(names)]:
             ckpt, trace = os.path.join(tmp, f"ckpt_{name}"), os.path.join(tmp, f"trace_{name}_{chunk}")
@@ -109,8 +109,8 @@ def train_interleaved_in_workers(rank: int, runs: Dict[str, List[str]], log_path
             for e in res.evals:
                 step = int(e["step"])
                 r["evals"].append((step, float(e["loss"])))
-                r["train_seconds"][step] = r["seconds_so_far"] + res.eval_train_seconds[step]
-            r["seconds_so_far"] += res.train_seconds
+                r["train_seconds"][step] = trained_s[name] + res.eval_train_seconds[step]
+            trained_s[name] += res.train_seconds
             r["counts"].append(torch.as_tensor(load_trace(trace)["counts"]))
     if rank:
         return None
@@ -119,5 +119,4 @@ def train_interleaved_in_workers(rank: int, runs: Dict[str, List[str]], log_path
         flags = runs[name]
         r["counts"] = torch.cat(r["counts"]).tolist()
         r["tokens_per_step"] = int(_flag(flags, "--batch-size")) * int(_flag(flags, "--seq-len")) * world
-        del r["seconds_so_far"]
     return out
