@@ -251,7 +251,7 @@ def test_permutation_with_expert_parallelism():
 @pytest.mark.skipif(importlib.util.find_spec("megatron") is None, reason="megatron-core not installed")
 def test_permutation_on_megatron_layer():
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.transformer.spec_utils import build_module
+    from megamoe_plugin.megatron_adapter.compat import build_mlp
     from megatron.core.transformer.transformer_config import TransformerConfig
     from megamoe_plugin.inference.balance import moe_layers_by_id
     from megamoe_plugin.megatron_adapter.args import config_from_megatron
@@ -265,7 +265,7 @@ def test_permutation_on_megatron_layer():
                            bias_dropout_fusion=False, gradient_accumulation_fusion=False, masked_softmax_fusion=False,
                            persist_layer_norm=False)
     cfg = config_from_megatron(tc, world_size=1, gate="naive", second_expert_policy="all")
-    layer = build_module(moe_plugin_spec(get_gpt_layer_local_spec(num_experts=4), cfg).submodules.mlp, config=tc)
+    layer = build_mlp(moe_plugin_spec(get_gpt_layer_local_spec(num_experts=4), cfg).submodules.mlp, tc)
     layer.set_layer_number(2)
     layer.eval()
     assert list(moe_layers_by_id(torch.nn.ModuleList([layer]))) == [2]

@@ -22,7 +22,7 @@ def _trainer_module():
 
 
 def _plugin_layer(gate="naive", **flags):
-    from megatron.core.transformer.spec_utils import build_module
+    from megamoe_plugin.megatron_adapter.compat import build_mlp
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.transformer_config import TransformerConfig
     from megamoe_plugin.megatron_adapter.args import config_from_megatron
@@ -36,7 +36,7 @@ def _plugin_layer(gate="naive", **flags):
                            gradient_accumulation_fusion=False, masked_softmax_fusion=False, persist_layer_norm=False)
     cfg = config_from_megatron(tc, world_size=1, gate=gate, second_expert_policy="all", **flags)
     spec = moe_plugin_spec(get_gpt_layer_local_spec(num_experts=E), cfg)
-    layer = build_module(spec.submodules.mlp, config=tc)
+    layer = build_mlp(spec.submodules.mlp, tc)
     layer.set_layer_number(1)
     return layer, cfg
 

@@ -1,13 +1,17 @@
-"""Megatron-LM's own ``pretrain_gpt.py`` with the plugin: the patch (patches/pretrain_gpt.py.patch) and the no-patch
-launcher (``python -m megamoe_plugin.megatron_adapter.launch``), each on 2 gloo processes (torchrun) with EP=2, a tiny MoE
-GPT on mock data and the test placement policy; plus bad flag combinations refused at argument validation, and
-``--moe-plugin-placement flexmoe`` in Megatron-LM's loop and checkpoints (same training, checkpoint after moves loads at
-EP=1).
+"""Megatron-LM's own ``pretrain_gpt.py`` with the plugin, on every Megatron-LM checkout found: the patch for its tag
+(patches/pretrain_gpt.py.<tag>.patch) and the no-patch launcher (``python -m megamoe_plugin.megatron_adapter.launch``),
+each on gloo processes (torchrun) with a tiny MoE GPT on mock data: EP=2 with the test placement policy, TP=2 +
+sequence parallel, PP=2, bad flag combinations refused at argument validation, and ``--moe-plugin-placement flexmoe``
+in Megatron-LM's loop and checkpoints (same training, checkpoint after moves loads at EP=1).
 
-Needs ``MEGATRON_LM_DIR``: a Megatron-LM checkout matching the installed megatron-core (core_v0.16.1). It is copied
-to a temporary directory (the patch is applied to the copy; the checkout is never modified). Without it the whole
-module is skipped; ``pytest -rs`` shows the reason.
+Checkouts: ``MEGATRON_LM_DIR`` (one path, or several separated by ``os.pathsep``) when set, else every
+``../shared/megatron-lm/<tag>/`` beside the repository (Megatron-LM core_v0.16.1 and core_v0.19.0 on this project's
+machines). Each is copied to a temporary directory (the patch is applied to the copy; the checkout is never
+modified). A checkout whose training code needs a newer Python than the running one (core_v0.17+ use
+``typing.override``: Python >= 3.12) is skipped here, naming the reason; ``tests/run_megatron_py312.sh`` runs it
+in the Python 3.12 environment. With no checkout at all the module is skipped; ``pytest -rs`` shows the reason.
 """
+import glob
 import importlib.util
 import json
 import math
@@ -19,9 +23,20 @@ import sys
 
 import pytest
 
-SKIP_REASON = "MEGATRON_LM_DIR not set: the Megatron-LM pretrain_gpt.py patch and launcher tests were SKIPPED"
-MEGATRON_LM_DIR = os.environ.get("MEGATRON_LM_DIR", "")
-if not MEGATRON_LM_DIR:
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SHARED_CHECKOUTS = os.path.join(os.path.dirname(REPO), "shared", "megatron-lm")
+
+
+def _checkout_dirs():
+    if os.environ.get("MEGATRON_LM_DIR"):
+        return [d for d in os.environ["MEGATRON_LM_DIR"].split(os.pathsep) if d]
+    return sorted(os.path.dirname(p) for p in glob.glob(os.path.join(SHARED_CHECKOUTS, "*", "pretrain_gpt.py")))
+
+
+CHECKOUT_DIRS = _checkout_dirs()
+SKIP_REASON = (f"no Megatron-LM checkout: MEGATRON_LM_DIR is not set and {SHARED_CHECKOUTS} has none; the "
+               "Megatron-LM pretrain_gpt.py patch and launcher tests were SKIPPED")
+if not CHECKOUT_DIRS:
     pytest.skip(SKIP_REASON, allow_module_level=True)
 
 # Megatron-LM's training code imports these beyond megatron-core's needs (the ".[megatron-lm]" extra)
@@ -30,9 +45,8 @@ if MISSING:
     pytest.skip(f"Megatron-LM's training code needs {', '.join(MISSING)}: pip install -e '.[megatron-lm]' "
                 "(the pretrain_gpt.py tests were SKIPPED)", allow_module_level=True)
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HELPERS = os.path.join(REPO, "tests", "helpers")
-PATCH = os.path.join(REPO, "patches", "pretrain_gpt.py.patch")
+PATCHES = sorted(glob.glob(os.path.join(REPO, "patches", "pretrain_gpt.py.*.patch")))
 ITERS = 4
 TIMEOUT = 300
 
@@ -64,11 +78,40 @@ class ChainedRecordingPolicy(RecordingPolicy):
 POLICY_ARGS = ["--moe-plugin-placement", "megatron_lm_test_policy:ChainedRecordingPolicy"]
 
 
-@pytest.fixture(scope="module")
-def checkout():
-    assert os.path.isfile(os.path.join(MEGATRON_LM_DIR, "pretrain_gpt.py")), (
-        f"MEGATRON_LM_DIR={MEGATRON_LM_DIR}: no pretrain_gpt.py there (expected a Megatron-LM checkout)")
-    return MEGATRON_LM_DIR
+def _megatron_version(root):
+    info = {}
+    with open(os.path.join(root, "megatron", "core", "package_info.py")) as f:
+        exec(compile("\n".join(line for line in f if re.match(r"(MAJOR|MINOR|PATCH) *=", line)), "package_info",
+                     "exec"), info)
+    return info["MAJOR"], info["MINOR"], info["PATCH"]
+
+
+@pytest.fixture(scope="module", params=CHECKOUT_DIRS, ids=os.path.basename)
+def checkout(request):
+    root = request.param
+    assert os.path.isfile(os.path.join(root, "pretrain_gpt.py")), (
+        f"{root}: no pretrain_gpt.py there (expected a Megatron-LM checkout)")
+    version = _megatron_version(root)
+    if version >= (0, 17) and sys.version_info < (3, 12):
+        pytest.skip(f"Megatron-LM {os.path.basename(root)} (megatron-core {'.'.join(map(str, version))}) needs Python "
+                    f">= 3.12 (typing.override); this is {sys.version.split()[0]}: tests/run_megatron_py312.sh runs "
+                    "it in the Python 3.12 environment")
+    return root
+
+
+def _apply_patch(root):
+    """Apply the one patch of patches/ that applies to this checkout's pretrain_gpt.py (its tag's); returns its
+    path."""
+    fits = [p for p in PATCHES if subprocess.run(["git", "apply", "--check", p], cwd=root,
+                                                 capture_output=True).returncode == 0]
+    assert len(fits) == 1, f"{root}: patches that apply: {fits} (of {PATCHES})"
+    p = subprocess.run(["git", "apply", "--verbose", fits[0]], cwd=root, stdout=subprocess.PIPE,
+                       stderr=subprocess.STDOUT, text=True)
+    assert p.returncode == 0, p.stdout
+    text = open(os.path.join(root, "pretrain_gpt.py")).read()
+    assert "install_megatron_lm_hooks()" in text and "moe_plugin_extra_args(" in text
+    assert "moe_plugin_gpt_builder(gpt_builder)" in text or "moe_plugin_model_config(args, model_cfg)" in text
+    return fits[0]
 
 
 def _copy_checkout(src, dst):
@@ -124,11 +167,7 @@ def _check_training(rc, out, record_dir, log_interval):
 def test_patched_pretrain_gpt(checkout, tmp_path):
     """(a) git apply the patch to a copy of the checkout; run the patched pretrain_gpt.py itself."""
     root = _copy_checkout(checkout, tmp_path / "Megatron-LM")
-    p = subprocess.run(["git", "apply", "--verbose", PATCH], cwd=root, stdout=subprocess.PIPE,
-                       stderr=subprocess.STDOUT, text=True)
-    assert p.returncode == 0, p.stdout
-    text = open(os.path.join(root, "pretrain_gpt.py")).read()
-    assert "install_megatron_lm_hooks()" in text and "moe_plugin_gpt_builder(gpt_builder)" in text
+    _apply_patch(root)
     record = tmp_path / "record"
     record.mkdir()
     rc, out = _torchrun([os.path.join(root, "pretrain_gpt.py")] + CPU_ARGS + TINY_ARGS + MOE_ARGS + POLICY_ARGS
@@ -141,8 +180,7 @@ def test_patched_pretrain_gpt_tensor_parallel_sequence_parallel_expert_parallel(
     asks the GPU's architecture whenever TP > 1, which the CPU shims answer (no GPU: 0), so the plugin's own TP
     checks are reached and training runs; each tensor-parallel rank routes its own sequence shard."""
     root = _copy_checkout(checkout, tmp_path / "Megatron-LM")
-    p = subprocess.run(["git", "apply", PATCH], cwd=root, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    assert p.returncode == 0, p.stdout
+    _apply_patch(root)
     tp = ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--expert-tensor-parallel-size", "1"]
     rc, out = _torchrun([os.path.join(root, "pretrain_gpt.py")] + CPU_ARGS + TINY_ARGS + MOE_ARGS + tp
                         + ["--log-interval", "1"], _env(tmp_path, root, tmp_path), tmp_path, nproc=4)
@@ -170,6 +208,30 @@ def test_launcher_unmodified_pretrain_gpt(checkout, tmp_path):
     _check_training(rc, out, record, log_interval=2)
     with open(os.path.join(root, "pretrain_gpt.py")) as f:
         assert "megamoe" not in f.read()
+
+
+def test_launcher_pipeline_parallel_expert_parallel(checkout, tmp_path):
+    """PP=2 x EP=2 on 4 gloo processes through the launcher: each pipeline stage holds one of the two MoE layers as
+    the plugin's layer (the policy sees it on every rank after every step), and the loss is printed every step."""
+    root = _copy_checkout(checkout, tmp_path / "Megatron-LM")
+    record = tmp_path / "record"
+    record.mkdir()
+    rc, out = _torchrun(["-m", "megamoe_plugin.megatron_adapter.launch", os.path.join(root, "pretrain_gpt.py")]
+                        + CPU_ARGS + TINY_ARGS + MOE_ARGS + POLICY_ARGS
+                        + ["--pipeline-model-parallel-size", "2", "--log-interval", "1"],
+                        _env(tmp_path, root, record), tmp_path, nproc=4)
+    assert rc == 0, _tail(out)
+    losses = {int(i): float(v) for i, v in LM_LOSS.findall(out)}
+    assert sorted(losses) == list(range(1, ITERS + 1)) and all(math.isfinite(v) for v in losses.values()), _tail(out)
+    layers = {}
+    for rank in range(4):
+        recs = [json.loads(line) for line in (record / f"rank{rank}.jsonl").read_text().splitlines()]
+        assert [r["iteration"] for r in recs] == list(range(1, ITERS + 1)), recs
+        assert all(r["moe_layers"] == 1 and r["optimizer_has_state"] for r in recs), recs
+        layers[rank] = recs[0]["layer_numbers"]
+    assert sorted(map(tuple, layers.values())) == [(1,), (1,), (2,), (2,)], layers
+    summary = re.findall(r"\[megamoe-plugin\] iteration\s+(\d+) \| L1 experts [0-9.]+ bal [0-9.]+ drop [0-9.]+ \| L2", out)
+    assert [int(i) for i in summary] == list(range(1, ITERS + 1)), _tail(out)
 
 
 def test_bad_flag_combination_fails_at_validation(checkout, tmp_path):
@@ -204,8 +266,7 @@ def test_flexmoe_placement_in_megatron_lm_same_training_and_checkpoint(checkout,
     and Adam state by logical id) loads at EP=1 in one process exactly like the checkpoint of the run without
     placement. Routing is deterministic (second expert always kept); the RNG state is per layout, not loaded."""
     root = _copy_checkout(checkout, tmp_path / "Megatron-LM")
-    p = subprocess.run(["git", "apply", PATCH], cwd=root, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    assert p.returncode == 0, p.stdout
+    _apply_patch(root)
     env = _env(tmp_path, root, tmp_path)
     script = os.path.join(root, "pretrain_gpt.py")
     profile = _slow_compute_profile(tmp_path / "slow.json")

@@ -4,8 +4,10 @@ import json
 import os
 import re
 import shutil
+import site
 import subprocess
 import sys
+import sysconfig
 import tomllib
 import venv
 
@@ -36,6 +38,19 @@ def test_version_and_changelog_agree():
     assert megamoe_plugin.__version__ != "0.1.0" and "## 0.1.0" in changelog
 
 
+def _child_venv(path) -> str:
+    """A fresh venv that sees this interpreter's installed packages after its own (a ``.pth`` in its site-packages
+    lists them): ``system_site_packages`` would give the base interpreter's packages instead, which differ when the
+    suite itself runs inside a venv. Returns its python."""
+    venv.EnvBuilder(system_site_packages=False, with_pip=False).create(str(path))
+    purelib = sysconfig.get_path("purelib", vars={"base": str(path), "platbase": str(path)})
+    ours = [p for p in [*site.getsitepackages(), site.getusersitepackages(), sysconfig.get_path("purelib")]
+            if os.path.isdir(p)]
+    with open(os.path.join(purelib, "_parent_site.pth"), "w") as f:
+        f.write("\n".join(dict.fromkeys(ours)) + "\n")
+    return os.path.join(str(path), "bin", "python")
+
+
 def _fake_wheel(tmp, name, version):
     """A do-nothing distribution `name==version` (stands in for another torch release: no second real torch
     build exists on this machine)."""
@@ -50,9 +65,7 @@ def _fake_wheel(tmp, name, version):
 
 
 def test_install_next_to_another_torch_leaves_it_alone(tmp_path):
-    env = str(tmp_path / "venv")
-    venv.EnvBuilder(system_site_packages=True, with_pip=False).create(env)
-    py = os.path.join(env, "bin", "python")
+    py = _child_venv(tmp_path / "venv")
     pip = [sys.executable, "-m", "pip", "--python", py] if _pip_has_python_flag() else [py, "-m", "pip"]
     quiet = dict(capture_output=True, text=True, timeout=300)
     fake = _fake_wheel(str(tmp_path), "torch", "2.7.0")
@@ -97,8 +110,7 @@ def test_wheel_in_a_fresh_venv_traces_a_megatron_checkpoint(tmp_path):
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     (wheel,) = list(wheels.glob("megamoe_plugin-*.whl"))
     env_dir = tmp_path / "venv"
-    venv.EnvBuilder(system_site_packages=True, with_pip=False).create(str(env_dir))
-    py, bindir = str(env_dir / "bin" / "python"), env_dir / "bin"
+    py, bindir = _child_venv(env_dir), env_dir / "bin"
     r = subprocess.run([sys.executable, "-m", "pip", "--python", py, "install", "--no-deps", "--no-index",
                         str(wheel)], **quiet)
     assert r.returncode == 0, r.stderr[-2000:]

@@ -1,7 +1,8 @@
 """``--moe-plugin-gate-sync local | average:K`` in Megatron (gate_sync.py explains what the modes mean).
 
 Megatron's DDP reduces every dense gradient over the data-parallel group inside ``finalize_model_grads``; its
-optimizer then clips by a norm it computes from ``get_main_grads_for_grad_norm``. For rank-local gates:
+optimizer then clips by a norm it computes from its grad-norm gradient collector (compat.GRAD_NORM_METHODS). For
+rank-local gates:
 
 * ``keep_local_gate_grads(finalize)``: wraps ``finalize_model_grads``: each gate's ``main_grad`` (this rank's own,
   as backward left it) is set aside before the reduction and put back after it, so the optimizer updates each
@@ -24,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from ..gate_sync import gate_params, local_grad_sq_norm
+from .compat import grad_norm_method, wrap_grads_for_norm
 
 
 def _dp_group():
@@ -55,12 +57,12 @@ def _inner(optimizer) -> List[object]:
 
 
 def identical_clip_norm(model, optimizer) -> int:
-    """Wrap the (chained) optimizers' ``get_main_grads_for_grad_norm`` so the gates count by the mean over ranks of
+    """Wrap the (chained) optimizers' grad-norm gradient collector (compat.GRAD_NORM_METHODS) so the gates count by the mean over ranks of
     each rank's squared norm. Idempotent; returns how many optimizers were wrapped."""
     gate_ids = {id(p) for p in gate_params(model)}
     wrapped = 0
     for opt in _inner(optimizer):
-        if getattr(opt, "_megamoe_gate_norm", False) or not hasattr(opt, "get_main_grads_for_grad_norm"):
+        if getattr(opt, "_megamoe_gate_norm", False) or grad_norm_method(opt) is None:
             continue
         masters = {}
         for g16, g32 in zip(getattr(opt, "float16_groups", None) or [],
@@ -72,8 +74,7 @@ def identical_clip_norm(model, optimizer) -> int:
         if not mine:
             continue
 
-        def norm_grads(orig=opt.get_main_grads_for_grad_norm, mine=mine):
-            grads = orig()
+        def norm_grads(grads, mine=mine):
             gate_grads = {id(g): g for p in mine for g in (p.grad, getattr(p, "decoupled_grad", None))
                           if g is not None}
             local = [g for g in grads if id(g) in gate_grads]
@@ -84,7 +85,7 @@ def identical_clip_norm(model, optimizer) -> int:
             scale = (mean / own.clamp_min(1e-30)).sqrt()
             return [g * scale.to(g) if id(g) in gate_grads else g for g in grads]
 
-        opt.get_main_grads_for_grad_norm = norm_grads
+        wrap_grads_for_norm(opt, norm_grads)
         opt._megamoe_gate_norm = True
         wrapped += 1
     return wrapped

@@ -13,7 +13,8 @@ between steps (placement/). Two things Megatron does not know about replicas are
 
 * gradient-norm clipping: a replicated expert's rows (all equal after the replica all-reduce) would count once per
   replica in Megatron's grad norm. On the first ``after_step`` the optimizers holding expert banks get a
-  ``get_main_grads_for_grad_norm`` that scales each slot's gradient rows by sqrt(1 / replicas) (free slots: 0), so
+  grad-norm gradient collector (``get_grads_for_grad_norm``; ``get_main_grads_for_grad_norm`` up
+  to megatron-core 0.16) that scales each slot's gradient rows by sqrt(1 / replicas) (free slots: 0), so
   the norm, and hence clipping, counts every logical expert once, whatever the placement;
 * metrics: the policy's ``metrics`` (placement/policies.py) go to the tensorboard / wandb writers as
   ``moe_placement/<key>`` at log intervals (``log_metrics``) and into one short progress-line fragment
@@ -39,6 +40,7 @@ from ..config import MoEConfig
 from ..placement import AfterStepHook
 from ..stats import TraceRecorder
 from ..layer import find_moe_layers
+from .compat import grad_norm_method, wrap_grads_for_norm
 from .layer import PluginMoELayer, plugin_stats
 from ..dynamic.runtime import DynamicRuntime, dynamic_enabled
 from .metrics import collect_layer_metrics, write_dynamic_metrics, write_layer_metrics, write_placement_metrics
@@ -143,7 +145,7 @@ def _inner_optimizers(optimizer) -> List[object]:
 
 def weight_replica_grad_norm(layers: List[PluginMoELayer], optimizer) -> int:
     """Make Megatron's grad norm count every logical expert once (module docstring): wrap
-    ``get_main_grads_for_grad_norm`` of each (chained) optimizer that holds expert-bank parameters (or their fp32
+    grad-norm gradient collector (compat.GRAD_NORM_METHODS) of each (chained) optimizer that holds expert-bank parameters (or their fp32
     master copies). Idempotent; returns how many optimizers were wrapped by this call."""
     banks: Dict[int, object] = {}            # id(bank parameter) -> its layer's PlacementRuntime
     for layer in layers:
@@ -156,7 +158,7 @@ def weight_replica_grad_norm(layers: List[PluginMoELayer], optimizer) -> int:
         return 0
     wrapped = 0
     for opt in _inner_optimizers(optimizer):
-        if getattr(opt, "_megamoe_grad_norm_weighted", False) or not hasattr(opt, "get_main_grads_for_grad_norm"):
+        if getattr(opt, "_megamoe_grad_norm_weighted", False) or grad_norm_method(opt) is None:
             continue
         table = {}                           # id(parameter the optimizer updates) -> runtime
         for g16, g32 in zip(getattr(opt, "float16_groups", None) or [],
@@ -170,8 +172,7 @@ def weight_replica_grad_norm(layers: List[PluginMoELayer], optimizer) -> int:
         if not table:
             continue
 
-        def weighted(orig=opt.get_main_grads_for_grad_norm, opt=opt, table=table):
-            grads = orig()
+        def weighted(grads, opt=opt, table=table):
             by_grad = {}
             for p in opt.get_parameters():
                 rt = table.get(id(p))
@@ -191,7 +192,7 @@ def weight_replica_grad_norm(layers: List[PluginMoELayer], optimizer) -> int:
                 out.append(g)
             return out
 
-        opt.get_main_grads_for_grad_norm = weighted
+        wrap_grads_for_norm(opt, weighted)
         opt._megamoe_grad_norm_weighted = True
         wrapped += 1
     return wrapped

@@ -44,7 +44,8 @@ import torch
 from ..config import ConfigError
 from .args import moe_plugin_extra_args
 
-__all__ = ["install_megatron_lm_hooks", "moe_plugin_extra_args", "moe_plugin_gpt_builder", "wrap_gpt_builders",
+__all__ = ["install_megatron_lm_hooks", "moe_plugin_extra_args", "moe_plugin_gpt_builder", "moe_plugin_model_config",
+           "wrap_gpt_builders",
            "megatron_lm_hooks_installed", "applied_hooks"]
 
 _INSTALLED = False
@@ -244,14 +245,37 @@ def moe_plugin_gpt_builder(builder: Callable) -> Callable:
     return wrap(builder)
 
 
-def wrap_gpt_builders(module=None):
-    """Replace ``gpt_builders.gpt_builder`` (Megatron-LM's root module; must be importable) by the plugin's
-    wrapper, so a later ``from gpt_builders import gpt_builder`` (``pretrain_gpt.py``) gets it. Returns it."""
-    from .spec import moe_plugin_gpt_builder
-    if module is None:
+def moe_plugin_model_config(args, model_cfg):
+    """``spec.moe_plugin_model_config`` (imported on use): with ``--moe-plugin`` the ``GPTModelConfig`` from
+    ``gpt_config_from_args`` builds the plugin's MoE layers (Megatron-LM core_v0.19's ``pretrain_gpt.py``)."""
+    from .spec import moe_plugin_model_config as wrap
+    return wrap(args, model_cfg)
+
+
+def wrap_gpt_builders(module=None) -> List[str]:
+    """Put the plugin's spec substitution where an unmodified ``pretrain_gpt.py`` will pick it up, whichever way this
+    Megatron-LM builds its model (both when both exist): ``gpt_builders.gpt_builder`` (Megatron-LM's root module,
+    core_v0.16's ``model_provider`` path) and ``megatron.training.argument_utils.gpt_config_from_args`` (core_v0.19's
+    ``GPTModelConfig`` path). The script's later ``from ... import`` gets the wrapped functions. Returns what was
+    wrapped."""
+    from .compat import has_module
+    from .spec import moe_plugin_config_builder, moe_plugin_gpt_builder
+    wrapped = []
+    if module is None and has_module("gpt_builders"):
         module = importlib.import_module("gpt_builders")
-    module.gpt_builder = moe_plugin_gpt_builder(module.gpt_builder)
-    return module.gpt_builder
+    if module is not None and hasattr(module, "gpt_builder"):
+        module.gpt_builder = moe_plugin_gpt_builder(module.gpt_builder)
+        wrapped.append("gpt_builders.gpt_builder")
+    if has_module("megatron.training.argument_utils"):
+        argument_utils = importlib.import_module("megatron.training.argument_utils")
+        if hasattr(argument_utils, "gpt_config_from_args"):
+            argument_utils.gpt_config_from_args = moe_plugin_config_builder(argument_utils.gpt_config_from_args)
+            wrapped.append("argument_utils.gpt_config_from_args")
+    if not wrapped:
+        raise ImportError("megamoe-plugin: this Megatron-LM has neither gpt_builders.gpt_builder nor "
+                          "megatron.training.argument_utils.gpt_config_from_args: no place to put the plugin's "
+                          "MoE layers (run `megamoe doctor` to see what is installed)")
+    return wrapped
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -341,8 +365,11 @@ def _shim_training_on_cpu() -> None:
         os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
         _APPLIED.append("get_device_arch_version -> 0 (no GPU), CUDA_DEVICE_MAX_CONNECTIONS=1")
     # The legacy fused kernels (CUDA softmax; unused by --transformer-impl local on CPU) are built with nvcc.
-    fk = importlib.import_module("megatron.legacy.fused_kernels")
-    if not getattr(fk.load, "_megamoe_wrapped", False):
+    # (megatron.legacy is gone from core_v0.19 on: nothing to stub there)
+    from .compat import has_module
+    fk = importlib.import_module("megatron.legacy.fused_kernels") if has_module("megatron.legacy.fused_kernels") \
+        else None
+    if fk is not None and not getattr(fk.load, "_megamoe_wrapped", False):
         def load(args):
             return None
         load._megamoe_wrapped = True
@@ -423,9 +450,12 @@ def install_megatron_lm_hooks() -> List[str]:
     from ..config import MoEConfig
     torch.serialization.add_safe_globals([MoEConfig])
     _APPLIED.append("MoEConfig safe for torch.load")
+    # arguments.py defines both; initialize.py imported them too up to core_v0.16 (0.19 parses in pretrain_gpt.py)
     for mod in (init, arguments):
-        mod.parse_args = _wrap_parse_args(mod.parse_args)
-        mod.validate_args = _wrap_validate_args(mod.validate_args)
+        if hasattr(mod, "parse_args"):
+            mod.parse_args = _wrap_parse_args(mod.parse_args)
+        if hasattr(mod, "validate_args"):
+            mod.validate_args = _wrap_validate_args(mod.validate_args)
     _APPLIED.append("parse_args + validate_args")
     training.train_step = _wrap_train_step(training.train_step)
     _APPLIED.append("train_step")

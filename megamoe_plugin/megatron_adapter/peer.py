@@ -36,6 +36,7 @@ from typing import Callable, Optional, Union
 import torch
 import torch.nn.functional as F
 
+from .compat import spec_submodules
 from .cpu_compat import install_cpu_shims
 
 __all__ = [
@@ -196,7 +197,7 @@ def build_megatron_moe_layer(
     spec = get_moe_module_spec(use_te=use_te, num_experts=num_experts, moe_grouped_gemm=grouped_gemm)
 
     def _build():
-        return MoELayer(config=config, submodules=spec.submodules, layer_number=1)
+        return MoELayer(config=config, submodules=spec_submodules(spec), layer_number=1)
 
     if seed is None:
         layer = _build()

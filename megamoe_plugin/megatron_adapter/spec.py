@@ -8,8 +8,14 @@ and dense layers are kept as they were. Both spec styles work: megatron-core 0.1
 submodules=MoESubmodules(...))`` and 0.19+'s ``functools.partial(MoELayer, submodules=...)`` (the substitute is
 built in the style it replaces).
 
-``moe_plugin_gpt_builder(builder)`` wraps Megatron-LM's ``gpt_builders.gpt_builder`` (what ``pretrain_gpt.py``
-hands to ``model_provider``): with ``--moe-plugin`` the spec the builder passes to ``GPTModel`` is substituted.
+Megatron-LM's ``pretrain_gpt.py`` builds its model one of two ways, and each has a wrapper:
+
+- ``moe_plugin_gpt_builder(builder)`` wraps ``gpt_builders.gpt_builder`` (core_v0.16: ``pretrain_gpt.py`` hands it
+  to ``model_provider``): with ``--moe-plugin`` the spec the builder passes to ``GPTModel`` is substituted;
+- ``moe_plugin_model_config(args, model_cfg)`` wraps the ``GPTModelConfig`` that ``gpt_config_from_args`` makes
+  (core_v0.19: ``pretrain(full_config, ...)`` builds the model with ``GPTModelBuilder`` from that config): its
+  ``transformer_layer_spec`` becomes a function that resolves the spec Megatron would have used (the config's own,
+  ``--spec``, or ``default_layer_spec``) and substitutes it.
 """
 from __future__ import annotations
 
@@ -22,6 +28,7 @@ from megatron.core.transformer.moe.moe_layer import BaseMoELayer, MoESubmodules
 from megatron.core.transformer.spec_utils import ModuleSpec
 
 from ..config import MoEConfig
+from .compat import make_spec, spec_parts
 from .layer import PluginExperts, PluginMoELayer, PluginRouter
 
 # megatron-core 0.16's TransformerLayer passes its process groups only to the exact MoELayer class and warns for any
@@ -34,35 +41,20 @@ class _QuietUnknownMlp(logging.Filter):
 logging.getLogger("megatron.core.transformer.transformer_layer").addFilter(_QuietUnknownMlp())
 
 
-def _mlp_class_and_submodules(mlp):
-    if isinstance(mlp, ModuleSpec):
-        return mlp.module, mlp.submodules, dict(mlp.params or {}), "spec"
-    if isinstance(mlp, functools.partial):
-        kw = dict(mlp.keywords)
-        return mlp.func, kw.pop("submodules", None), kw, "partial"
-    return mlp, None, {}, "class"
-
-
 def _is_moe(cls) -> bool:
     return isinstance(cls, type) and issubclass(cls, BaseMoELayer)
 
 
 def plugin_mlp_spec(mlp, cfg: MoEConfig):
     """The plugin's replacement for one MoE ``mlp`` spec (or ``mlp`` unchanged when it is not an MoE layer)."""
-    cls, sub, params, style = _mlp_class_and_submodules(mlp)
+    cls, sub, params, style = spec_parts(mlp)
     if not _is_moe(cls) or cls is PluginMoELayer:
         return mlp
-    shared = getattr(sub, "shared_experts", None)
-    router = functools.partial(PluginRouter, plugin_config=cfg)
-    if style == "partial":
-        experts = functools.partial(PluginExperts, plugin_config=cfg)
-        return functools.partial(PluginMoELayer, submodules=MoESubmodules(experts=experts, shared_experts=shared,
-                                                                         router=router),
-                                 plugin_config=cfg, **params)
-    experts = ModuleSpec(module=PluginExperts, params={"plugin_config": cfg})
-    return ModuleSpec(module=PluginMoELayer,
-                      submodules=MoESubmodules(experts=experts, shared_experts=shared, router=router),
-                      params={**params, "plugin_config": cfg})
+    # router: a partial (every release calls it); experts: a ModuleSpec (0.16 passes it to build_module, 0.19 calls it)
+    submodules = MoESubmodules(experts=ModuleSpec(module=PluginExperts, params={"plugin_config": cfg}),
+                               shared_experts=getattr(sub, "shared_experts", None),
+                               router=functools.partial(PluginRouter, plugin_config=cfg))
+    return make_spec(PluginMoELayer, submodules, {**params, "plugin_config": cfg}, style)
 
 
 def _layer_spec(spec, cfg: MoEConfig):
@@ -110,6 +102,55 @@ def moe_plugin_gpt_builder(builder: Callable) -> Callable:
             return builder(args, *a, **kw)
         finally:
             g["GPTModel"] = real
+
+    wrapped._megamoe_wrapped = True
+    return wrapped
+
+
+def _resolve_layer_spec(original, model_cfg, vp_stage):
+    """The layer spec ``GPTModelBuilder.build_model`` would use for ``original`` (None, a spec, or a function of
+    the model config and optionally ``vp_stage``)."""
+    import inspect
+    if original is None:
+        from megatron.training.models.gpt import default_layer_spec
+        return default_layer_spec(model_cfg, vp_stage)
+    if isinstance(original, ModuleSpec) or not callable(original) or hasattr(original, "layer_specs"):
+        return original
+    if "vp_stage" in inspect.signature(original).parameters:
+        return original(model_cfg, vp_stage=vp_stage)
+    return original(model_cfg)
+
+
+def moe_plugin_model_config(args, model_cfg):
+    """With ``args.moe_plugin``: ``model_cfg`` (a ``GPTModelConfig``) whose layer spec has the plugin in every MoE
+    layer, resolved when the model is built. Without it, or when already wrapped, ``model_cfg`` unchanged."""
+    if not getattr(args, "moe_plugin", False):
+        return model_cfg
+    original = model_cfg.transformer_layer_spec
+    if getattr(original, "_megamoe_wrapped", False):
+        return model_cfg
+    cfg = getattr(args, "moe_plugin_config", None)
+    if cfg is None:
+        from .args import validate_moe_plugin_args
+        cfg = validate_moe_plugin_args(args)
+
+    def plugin_layer_spec(config, vp_stage=None):
+        return moe_plugin_spec(_resolve_layer_spec(original, config, vp_stage), cfg)
+
+    plugin_layer_spec._megamoe_wrapped = True
+    model_cfg.transformer_layer_spec = plugin_layer_spec
+    return model_cfg
+
+
+def moe_plugin_config_builder(make_config: Callable) -> Callable:
+    """Wrap Megatron-LM's ``gpt_config_from_args(args, ...)`` so the config it returns goes through
+    ``moe_plugin_model_config`` (what the no-patch launcher installs on core_v0.19)."""
+    if getattr(make_config, "_megamoe_wrapped", False):
+        return make_config
+
+    @functools.wraps(make_config)
+    def wrapped(args, *a, **kw):
+        return moe_plugin_model_config(args, make_config(args, *a, **kw))
 
     wrapped._megamoe_wrapped = True
     return wrapped
