@@ -11,6 +11,7 @@
     megamoe balance           greedy / anti-correlation expert placement from a trace -> --moe-placement-file
     megamoe reproduce <paper> a paper's tables and figures, each number labelled measured / predicted / paper
     megamoe cluster run ...   a torch.distributed job on an emulated multi-node cluster (network namespaces)
+    megamoe doctor            does the plugin work with the installed Megatron? builds, runs, compares one MoE layer
 
 Everything after the subcommand is handed to it unparsed (``parse_known_args``), so ``megamoe train -h`` shows the
 trainer's own help.
@@ -177,6 +178,11 @@ def _cluster(argv: List[str]) -> int:
     return cluster_cli.main(argv)
 
 
+def _doctor(argv: List[str]) -> int:
+    from .megatron_adapter import doctor
+    return doctor.main(argv)
+
+
 def _reproduce(argv: List[str]) -> int:
     from . import reproduce
     reproduce.main(argv)
@@ -194,6 +200,7 @@ _COMMANDS = {
     "cache-sim": (_cache_sim, "Expert-buffering miss rates vs cache size on a trace: LIFO/FIFO/LRU/LFU/Belady (004)."),
     "balance": (_balance, "Greedy / anti-correlation expert placement from a trace; writes --moe-placement-file (004)."),
     "cluster": (_cluster, "An emulated multi-node cluster (network namespaces, shaped links): run a job on it."),
+    "doctor": (_doctor, "Check the plugin against the installed Megatron: build, run and compare one MoE layer."),
     "reproduce": (_reproduce, "Regenerate a paper's tables and figures: fastermoe|tamoe|flexmoe|dynamoe|deployment."),
 }
 

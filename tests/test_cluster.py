@@ -4,7 +4,10 @@ across them. Skipped, with the launcher's own reason, where the emulation cannot
 - 2 nodes x 1: the probe's inter-node bandwidth is within 20% of two different settings, and an all-to-all of a
   fixed size takes longer at the lower setting, in proportion.
 - 2 nodes x 2: `megamoe topology --measure` infers [[0,1],[2,3]]; intra-node pairs are measurably faster.
-- A job stopped midway (SIGTERM), or with a failing rank, leaves no namespace, link or process behind.
+- A job stopped midway (SIGTERM), or with a failing rank, leaves no namespace, link, cgroup or process behind; a
+  launcher killed by SIGKILL leaves them to `megamoe cluster cleanup`, which removes them all.
+- Fixed-speed ranks (`--cpu-share`): a rank capped at half its peer's share takes about twice as long for the same
+  GEMM work while the peer sleeps.
 - `megamoe train` (EP=4 over 2 nodes) gives exactly the losses of the same run under torchrun: time, not math.
 """
 import json
@@ -17,7 +20,7 @@ import time
 
 import pytest
 
-from megamoe_plugin.cluster import leftovers, unavailable
+from megamoe_plugin.cluster import cpu_caps, leftovers, unavailable
 
 WHY = unavailable()
 pytestmark = pytest.mark.skipif(WHY is not None, reason=WHY or "")
@@ -93,12 +96,86 @@ def test_a_stopped_or_failing_job_leaves_nothing_behind(tmp_path):
     assert p.returncode == 143 and "stopping every rank" in err, err[-2000:]
     assert _namespaces() == before and _procs(marker) == 0
     assert not [x for x in leftovers() if x.split()[1][4:9] not in {n[4:9] for n in before}]
+    assert not _new_cgroups(before)
     # a rank that fails: the job's status is its status, the others are stopped, nothing is left
     q = cluster(["--nodes", "2", "--procs-per-node", "2", "--no-probe"],
                 [sys.executable, "-c", f"import os, sys, time; sys.exit(3) if os.environ['RANK'] == '1' "
                  f"else time.sleep(120)  # {marker}"], timeout=120)
     assert q.returncode == 3 and "rank 1 exited with status 3" in q.stderr, q.stderr[-2000:]
-    assert _namespaces() == before and _procs(marker) == 0
+    assert _namespaces() == before and _procs(marker) == 0 and not _new_cgroups(before)
+
+
+def _new_cgroups(namespaces_before):
+    """CPU cgroups of runs other than those whose namespaces existed before the test."""
+    old = {n[4:9] for n in namespaces_before}
+    return [c for c in cpu_caps.leftovers() if os.path.basename(c.split(" ", 1)[1])[4:9] not in old]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(cpu_caps.unavailable() is not None, reason=cpu_caps.unavailable() or "")
+def test_a_killed_launcher_leaves_what_cleanup_removes(tmp_path):
+    """SIGKILL cannot be caught: the ranks die with the launcher (PDEATHSIG), its namespaces and cgroups stay until
+    `megamoe cluster cleanup` (or the next run) removes them."""
+    before = _namespaces()
+    marker = f"megamoe-cluster-kill-{os.getpid()}"
+    cmd = [sys.executable, "-m", "megamoe_plugin.cli", "cluster", "run", "--nodes", "2", "--procs-per-node", "1",
+           "--cpu-share", "0.3", "--no-probe", "--master-port", "29650", "--log-dir", str(tmp_path / "logs"), "--",
+           sys.executable, "-c", f"import time; time.sleep(120)  # {marker}"]
+    p = subprocess.Popen(cmd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
+    try:
+        deadline = time.time() + 60
+        while time.time() < deadline and not (_new_cgroups(before) and _procs(marker, p.pid) == 2):
+            time.sleep(0.2)
+        assert _new_cgroups(before) and _procs(marker, p.pid) == 2, "the job did not start"
+    finally:
+        p.kill()
+        p.communicate(timeout=60)
+    deadline = time.time() + 30
+    while time.time() < deadline and _procs(marker):
+        time.sleep(0.2)
+    assert _procs(marker) == 0
+    assert _new_cgroups(before) and _namespaces() - before          # left behind by the killed launcher
+    r = subprocess.run([sys.executable, "-m", "megamoe_plugin.cli", "cluster", "cleanup"], env=_env(),
+                       capture_output=True, text=True, timeout=60, cwd=REPO)
+    assert r.returncode == 0 and "removed cgroup" in r.stdout and "removed netns" in r.stdout, r.stdout + r.stderr
+    assert not _new_cgroups(before) and _namespaces() == before
+
+
+GEMM_WORK = """
+import json, os, sys, time, torch
+torch.set_num_threads(1)
+rank, out = int(os.environ["RANK"]), sys.argv[1]
+if rank == 1:                               # the peer sleeps while rank 0 works, then works while rank 0 sleeps
+    while not os.path.exists(os.path.join(out, "rank0.json")):
+        time.sleep(0.05)
+a = torch.randn(256, 256)
+t = time.perf_counter()
+for _ in range(150):
+    a = torch.tanh(a @ a * 0.01)
+json.dump({"seconds": time.perf_counter() - t, "share": os.environ.get("MEGAMOE_CPU_SHARE")},
+          open(os.path.join(out, f"rank{rank}.json"), "w"))
+"""
+
+
+@pytest.mark.skipif(cpu_caps.unavailable() is not None, reason=cpu_caps.unavailable() or "")
+def test_a_rank_at_half_the_share_takes_twice_as_long(tmp_path):
+    before = _namespaces()
+    p = cluster(["--nodes", "1", "--procs-per-node", "2", "--cpu-share", "0.2,0.4", "--no-probe"],
+                [sys.executable, "-c", GEMM_WORK, str(tmp_path)], timeout=180, port=29660)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "fixed-speed ranks: r0 0.2, r1 0.4 cores (cgroup" in p.stderr, p.stderr[-2000:]
+    runs = [json.load(open(tmp_path / f"rank{r}.json")) for r in (0, 1)]
+    assert [r["share"] for r in runs] == ["0.2", "0.4"], runs
+    ratio = runs[0]["seconds"] / runs[1]["seconds"]
+    assert 1.5 <= ratio <= 2.6, (ratio, runs)
+    assert not _new_cgroups(before) and _namespaces() == before
+
+
+def test_cpu_share_flag_is_checked_before_anything_starts():
+    p = cluster(["--nodes", "2", "--procs-per-node", "2", "--cpu-share", "0.5,0.5"], ["true"], timeout=60)
+    assert p.returncode == 2 and "--cpu-share '0.5,0.5': 2 values for 4 ranks" in p.stderr, p.stderr
+    p = cluster(["--nodes", "1", "--procs-per-node", "2", "--cpu-share", "3"], ["true"], timeout=60)
+    assert p.returncode == 2 and "must be between 0.01 and" in p.stderr, p.stderr
 
 
 def _procs(marker, launcher=None):

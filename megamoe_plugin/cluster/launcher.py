@@ -8,12 +8,17 @@ through the launcher or patch, fairseq-train through the plugin's fairseq launch
 ``MEGAMOE_TOPOLOGY`` and ``MEGAMOE_TOPOLOGY_BANDWIDTH_GBPS`` (the nodes and the probed per-level bandwidths), which
 the gates and the performance model read when no ``--moe-topology`` is given.
 
+With ``cpu_shares`` every rank runs in its own CPU cgroup capped at its share (``cpu_caps.CpuCaps``): ranks are
+fixed-speed devices, as GPUs are, instead of borrowing the cores idle peers leave.
+
 Rank 0's output is streamed; every rank's output goes to ``<log-dir>/rank<r>.log``. The job's exit status is the
 first failing rank's (the others are then stopped), 124 on ``--timeout``, 130/143 on Ctrl-C/SIGTERM. On every
-exit path every process it started is ended and every namespace, veth and bridge it created is removed.
+exit path every process it started is ended and every namespace, veth, bridge and cgroup it created is removed
+(a launcher killed by SIGKILL cannot: ``megamoe cluster cleanup`` and the next run remove what it left).
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import signal
@@ -24,7 +29,8 @@ import time
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence
 
-from .netns import EmulatedCluster
+from .cpu_caps import CpuCaps
+from .netns import EmulatedCluster, remove_leftovers
 
 PROBE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "probe.py")
 
@@ -126,31 +132,47 @@ def _stream(pipe, log_path: str, echo) -> None:
             echo(line)
 
 
+def _child_setup(caps: Optional[CpuCaps], rank: int):
+    """What a rank's child process does before exec: die with the launcher, and join its CPU cgroup."""
+    if caps is None:
+        return _die_with_parent
+    join = caps.joiner(rank)
+
+    def setup() -> None:
+        _die_with_parent()
+        join()
+    return setup
+
+
 def _start(cluster: EmulatedCluster, cmd: Sequence[str], procs_per_node: int, master_port: int,
-           result: Optional[ProbeResult], log_dir: str, echo=None):
-    """Start ``cmd`` on every rank; rank 0's output streamed to ``echo`` (when given) and its log."""
+           result: Optional[ProbeResult], log_dir: str, echo=None, caps: Optional[CpuCaps] = None):
+    """Start ``cmd`` on every rank (each in its CPU cgroup with ``caps``); rank 0's output streamed to ``echo`` (when
+    given) and its log."""
     procs, threads = [], []
     groups = layout(len(cluster.nodes), procs_per_node)
     for k, ranks in enumerate(groups):
         for rank in ranks:
             env = rank_env(cluster, rank, procs_per_node, master_port, result)
+            if caps is not None:
+                env["MEGAMOE_CPU_SHARE"] = f"{caps.shares[rank]:g}"
             full = cluster.exec_prefix(k) + list(cmd)
             log_path = os.path.join(log_dir, f"rank{rank}.log")
+            setup = _child_setup(caps, rank)
             if rank == 0 and echo is not None:
                 p = subprocess.Popen(full, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                     bufsize=1, start_new_session=True, preexec_fn=_die_with_parent)
+                                     bufsize=1, start_new_session=True, preexec_fn=setup)
                 t = threading.Thread(target=_stream, args=(p.stdout, log_path, echo), daemon=True)
                 t.start()
                 threads.append(t)
             else:
                 with open(log_path, "w") as log:
                     p = subprocess.Popen(full, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                                         preexec_fn=_die_with_parent)
+                                         preexec_fn=setup)
             procs.append(p)
     return procs, threads
 
 
-def _measure_split(cluster, procs_per_node, master_port, result, log_dir, say) -> None:
+def _measure_split(cluster, procs_per_node, master_port, result, log_dir, say, caps=None) -> None:
     """A reference MoE layer step (EP = every rank) on the cluster before the job: its compute / all-to-all split,
     measured (``bench.cluster.split_probe``)."""
     import json
@@ -158,7 +180,7 @@ def _measure_split(cluster, procs_per_node, master_port, result, log_dir, say) -
     split_dir = os.path.join(log_dir, "split")
     os.makedirs(split_dir, exist_ok=True)
     procs, _ = _start(cluster, [sys.executable, "-m", "megamoe_plugin.bench.cluster", "--split-probe", out],
-                      procs_per_node, master_port + 2, result, split_dir)
+                      procs_per_node, master_port + 2, result, split_dir, caps=caps)
     try:
         code = _wait(procs, 300, split_dir, lambda text: None)
     finally:
@@ -174,9 +196,11 @@ def _measure_split(cluster, procs_per_node, master_port, result, log_dir, say) -
 
 def run_job(cmd: Sequence[str], nodes: int, procs_per_node, inter_bandwidth: float,
             intra_bandwidth: Optional[float] = None, master_port: int = 29500, log_dir: Optional[str] = None,
-            timeout: float = 3600.0, do_probe: bool = True, echo=None, say=None, split: bool = False) -> int:
+            timeout: float = 3600.0, do_probe: bool = True, echo=None, say=None, split: bool = False,
+            cpu_shares: Optional[Sequence[float]] = None) -> int:
     """Create the cluster, run ``cmd`` on every rank, tear everything down; returns the job's exit status.
     ``procs_per_node``: one count for every node, or one per node (``layout``).
+    ``cpu_shares``: one CPU share (in cores) per rank, each rank then capped in its own cgroup; None: uncapped.
     ``split``: first measure a reference MoE layer step's compute / all-to-all split on the cluster."""
     echo = echo or (lambda line: (sys.stdout.write(line), sys.stdout.flush()))
     say = say or (lambda text: print(f"megamoe cluster: {text}", file=sys.stderr, flush=True))
@@ -187,16 +211,22 @@ def run_job(cmd: Sequence[str], nodes: int, procs_per_node, inter_bandwidth: flo
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGHUP)}
     procs: List[subprocess.Popen] = []
     threads: List[threading.Thread] = []
+    world = sum(len(g) for g in layout(nodes, procs_per_node))
+    if cpu_shares is not None and len(cpu_shares) != world:
+        raise ValueError(f"{len(cpu_shares)} CPU shares for {world} ranks")
     try:
-        with EmulatedCluster(nodes, inter_bandwidth, intra_bandwidth) as cluster:
+        for item in remove_leftovers():          # namespaces, links and cgroups of launchers killed earlier
+            say(f"removed {item} (left by a killed run)")
+        with EmulatedCluster(nodes, inter_bandwidth, intra_bandwidth) as cluster, \
+                (CpuCaps(cluster.run_id, cpu_shares) if cpu_shares else contextlib.nullcontext()) as caps:
             log_dir = log_dir or os.path.join(os.getcwd(), "cluster_logs", cluster.run_id)
             os.makedirs(log_dir, exist_ok=True)
             result = probe(cluster, master_port + 1) if do_probe else None
-            say(_describe(cluster, procs_per_node, result, log_dir))
-            if split and sum(len(g) for g in layout(nodes, procs_per_node)) > 1:
-                _measure_split(cluster, procs_per_node, master_port, result, log_dir, say)
+            say(_describe(cluster, procs_per_node, result, log_dir, caps))
+            if split and world > 1:
+                _measure_split(cluster, procs_per_node, master_port, result, log_dir, say, caps)
             before = cluster.link_bytes()
-            procs, threads = _start(cluster, cmd, procs_per_node, master_port, result, log_dir, echo)
+            procs, threads = _start(cluster, cmd, procs_per_node, master_port, result, log_dir, echo, caps)
             code = _wait(procs, timeout, log_dir, say)
             _report_traffic(cluster, before, cluster.link_bytes(), log_dir, say)
             return code
@@ -226,13 +256,15 @@ def _report_traffic(cluster, before: Dict[int, tuple], after: Dict[int, tuple], 
             f"node {n} sent {v['sent'] / 1e6:.1f} MB, received {v['received'] / 1e6:.1f} MB" for n, v in nodes.items()))
 
 
-def _describe(cluster: EmulatedCluster, g, result: Optional[ProbeResult], log_dir: str) -> str:
+def _describe(cluster: EmulatedCluster, g, result: Optional[ProbeResult], log_dir: str,
+              caps: Optional[CpuCaps] = None) -> str:
     n = len(cluster.nodes)
     g = g if isinstance(g, int) else "+".join(map(str, g))
     shaped = f"inter-node {cluster.inter_bandwidth / 1e6:.1f} MB/s per node and direction (tbf)"
     intra = (f"intra-node {cluster.intra_bandwidth / 1e6:.1f} MB/s (tbf on lo)" if cluster.intra_bandwidth
              else "intra-node unshaped (loopback)")
-    text = f"{n} node(s) x {g} process(es), {shaped}, {intra}"
+    text = f"{n} node(s) x {g} process(es), {shaped}, {intra}, "
+    text += caps.describe() if caps is not None else "ranks share the machine's cores (no CPU caps)"
     if result is not None:
         measured = f"intra-node {result.intra_bytes_per_s / 1e6:.0f} MB/s"
         if result.inter_bytes_per_s is not None:

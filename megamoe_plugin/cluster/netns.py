@@ -207,8 +207,8 @@ def _list(cmd: List[str]) -> List[str]:
 
 
 def remove_leftovers(all_runs: bool = False) -> List[str]:
-    """Remove the namespaces and links of runs whose launcher process is gone (all ``mmoe*`` ones with
-    ``all_runs``); returns what was removed."""
+    """Remove the namespaces, links and CPU cgroups of runs whose launcher process is gone (all ``mmoe*`` ones
+    with ``all_runs``); returns what was removed."""
     live = set()
     if os.path.isdir(STATE_DIR):
         for name in os.listdir(STATE_DIR):
@@ -230,4 +230,5 @@ def remove_leftovers(all_runs: bool = False) -> List[str]:
         cmd = ["ip", "netns", "del", name] if kind == "netns" else ["ip", "link", "del", name]
         if subprocess.run(cmd, capture_output=True).returncode == 0:
             removed.append(item)
-    return removed
+    from . import cpu_caps                      # the runs' CPU cgroups, named by the same run ids
+    return removed + cpu_caps.remove_leftovers(sorted(live))
