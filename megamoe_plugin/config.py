@@ -36,6 +36,10 @@ SCHEDULES = ("plain", "smart")
 CAPACITY_POLICIES = ("static", "dynamic")
 EXPERT_GRAPHS = ("none", "compile", "cuda-graph")
 EXPERT_CACHE_POLICIES = ("lifo", "fifo", "lru", "lfu")
+# built-in placement policies that move experts' rows and optimizer state between ranks, and those of them that
+# replicate experts into spare vExpert slots
+MOVING_PLACEMENTS = ("flexmoe", "shadow", "eplb")
+REPLICA_PLACEMENTS = ("flexmoe", "eplb")
 NONFINITE_ACTIONS = ("raise", "skip", "off")
 
 
@@ -105,16 +109,17 @@ class MoEConfig:
     placement: str = _opt("none", "Expert placement between optimizer steps: none | flexmoe (FlexMoE vExperts: "
                                   "Expand/Shrink/Migrate experts with their optimizer state when the cost model "
                                   "predicts a gain) | shadow (FasterMoE: replicate hot experts on every rank for the "
-                                  "next step), or a policy added with @register_placement_policy, or "
-                                  "package.module:attr.")
+                                  "next step) | eplb (DeepSeek's EPLB: redundant experts by load per replica, packed "
+                                  "onto nodes then ranks, from a moving average; kept when the cost model predicts a "
+                                  "gain), or a policy added with @register_placement_policy, or package.module:attr.")
     placement_interval: int = _opt(0, "Run the placement policy every this many optimizer steps (it plans from their "
-                                      "summed routing); 0 = automatic: 10 for flexmoe (its moves pay off over the "
-                                      "interval, and each run costs collectives), 1 for shadow (FasterMoE decides per "
-                                      "iteration).")
+                                      "summed routing); 0 = automatic: 10 for flexmoe and eplb (their moves pay off "
+                                      "over the interval, and each run costs collectives), 1 for shadow (FasterMoE "
+                                      "decides per iteration).")
     placement_threshold: float = _opt(1.2, "flexmoe: balance ratio (FlexMoE Eq. 6: the most loaded rank's tokens "
                                            "over the mean) above which experts are expanded and shrunk.")
     placement_spare_slots: int = _opt(-1, "vExpert slots per rank beyond the experts it starts with (room for "
-                                          "replicas); -1 = 1 with --moe-placement flexmoe, else 0.")
+                                          "replicas); -1 = 1 with --moe-placement flexmoe or eplb, else 0.")
     placement_max_moves: int = _opt(4, "flexmoe: at most this many Expand/Shrink/Migrate per layer per run.")
     placement_profile: str = _opt("auto", "Hardware profile whose cost model the placement policies consult: auto "
                                           "(calibrate the running job's own process groups at the first placement "
@@ -359,8 +364,8 @@ class MoEConfig:
 
     @property
     def placement_every(self) -> int:
-        """--moe-placement-interval resolved: 10 for flexmoe and 1 otherwise when 0 (automatic)."""
-        return self.placement_interval or (10 if self.placement == "flexmoe" else 1)
+        """--moe-placement-interval resolved: 10 for flexmoe and eplb and 1 otherwise when 0 (automatic)."""
+        return self.placement_interval or (10 if self.placement in REPLICA_PLACEMENTS else 1)
 
     @property
     def gate_sync_mode(self):
@@ -381,7 +386,7 @@ class MoEConfig:
         """vExpert slots of every rank's ExpertBank: its experts + the spare slots replicas can use."""
         spare = self.placement_spare_slots
         if spare < 0:
-            spare = 1 if self.placement == "flexmoe" else 0
+            spare = 1 if self.placement in REPLICA_PLACEMENTS else 0
         return self.num_local_experts + spare
 
     def build_topology(self):

@@ -48,3 +48,40 @@ def test_every_subcommand_describes_itself(command, capsys):
         assert e.code in (0, None)
     out = capsys.readouterr().out
     assert "usage:" in out and len(out.splitlines()) >= 3, out
+
+
+FLAG = re.compile(r"--moe-(?:plugin-)?[a-z0-9-]+")
+# "`--flag` (default X)", "default `X`", ", default X", "`--flag` (X)" in a sentence naming exactly one option
+DEFAULT = re.compile(r"\bdefault(?:s| is| =|:)?\s+(?:the\s+)?`([^`]+)`|\(default:?\s+`?([A-Za-z0-9_.+-]+)`?[,)]|"
+                     r",\s+default\s+`?([A-Za-z0-9_.+-]+)`?|`--moe-[a-z0-9-]+` \(`?([0-9][0-9.e+-]*|[a-z_]+)`?\)")
+
+
+def _same(documented: str, default) -> bool:
+    try:
+        return float(documented) == float(default)
+    except (TypeError, ValueError):
+        return documented.strip() == str(default)
+
+
+def test_documented_defaults_match_the_code():
+    """Every default the docs state next to exactly one option flag is the option's default in MoEConfig (what
+    `megamoe options` prints); a stale one (a profile that is no longer the default, say) fails here."""
+    from megamoe_plugin.config import iter_options
+    options = {o["flag"]: o for o in iter_options()}
+    pages = ["README.md", "patches/README.md"] + [os.path.join("docs", f) for f in
+                                                  sorted(os.listdir(os.path.join(ROOT, "docs"))) if f.endswith(".md")]
+    checked, wrong = [], []
+    for page in pages:
+        for sentence in re.split(r"(?<=[.;])\s+", _read(page).replace("\n", " ")):
+            flags = {f.replace("--moe-plugin-", "--moe-") for f in FLAG.findall(sentence)} & set(options)
+            if len(flags) != 1:
+                continue
+            (name,) = flags
+            for m in DEFAULT.finditer(sentence):
+                value = next(g for g in m.groups() if g)
+                checked.append((page, name, value))
+                if not _same(value, options[name]["default"]):
+                    wrong.append(f"{page}: {name} documented default {value!r}, code default "
+                                 f"{options[name]['default']!r}: {sentence[:160]}")
+    assert len(checked) >= 3, checked          # the checker must see the docs' defaults, not pass on nothing
+    assert not wrong, "\n".join(wrong)

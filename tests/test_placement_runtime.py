@@ -241,7 +241,7 @@ def _policy_run(rank, world, policy, profile):
     assert set(m) >= {"balance_ratio", "balance_ratio_next", "token_efficiency", "expert_efficiency", "replicas",
                       "shadowed", "moves", "bytes_moved", "predicted_step_s", "measured_step_s"}, m
     rt = moved.plan.placement
-    if policy == "flexmoe":
+    if policy in ("flexmoe", "eplb"):
         assert hook.policy.total_moves > 0 and hook.policy.total_bytes > 0
         assert rt.state != PlacementState(rt.num_experts, world, rt.slots_per_rank), rt.state
         # the steps after the moves ran better balanced than the first (hot expert 0's rank was relieved)
@@ -252,7 +252,7 @@ def _policy_run(rank, world, policy, profile):
     assert m["token_efficiency"] == 1.0 and 0 < m["expert_efficiency"] <= 1.0
 
 
-@pytest.mark.parametrize("policy", ["flexmoe", "shadow"])
+@pytest.mark.parametrize("policy", ["flexmoe", "shadow", "eplb"])
 def test_policy_in_the_hook_moves_and_keeps_the_math(policy, tmp_path):
     run_distributed(_policy_run, 2, policy, _slow_compute_profile(str(tmp_path / "slow.json")))
 

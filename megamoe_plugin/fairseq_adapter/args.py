@@ -19,7 +19,7 @@ import dataclasses
 import re
 from typing import Any, Dict, List, Tuple
 
-from ..config import ConfigError, MoEConfig, flag, iter_options
+from ..config import MOVING_PLACEMENTS, ConfigError, MoEConfig, flag, iter_options
 
 # MoEConfig field -> fairseq (moe branch) option with the same meaning.
 RENAMED: Dict[str, str] = {
@@ -198,7 +198,7 @@ def check_trainer_settings(cfg, moe: MoEConfig) -> None:
     half = "--fp16" if common.fp16 else "--bf16" if getattr(common, "bf16", False) else None
     memory_efficient = common.memory_efficient_fp16 or getattr(common, "memory_efficient_bf16", False)
     flat = half and not memory_efficient and not getattr(common, "fp16_no_flatten_grads", False)
-    if flat and moe.placement in ("flexmoe", "shadow"):
+    if flat and moe.placement in MOVING_PLACEMENTS:
         raise ConfigError(f"megamoe-plugin: --moe-placement {moe.placement} moves experts' rows and their "
                           f"optimizer state; {half} keeps one flat fp32 copy of all parameters: add "
                           f"--fp16-no-flatten-grads or use --memory-efficient-{half[2:]}")

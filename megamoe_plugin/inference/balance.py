@@ -18,6 +18,9 @@ constraint sum_m P_mn = E / D).
   sum_{m on n} (Ã_m + w * S_am), S the Pearson correlation of the experts' shares over the fitting batches (0 for
   an expert whose share never changes) and w = 0.5 in the paper: an expert goes preferably next to experts it is
   anti-correlated with, so the experts that are busy together end up on different devices.
+* ``eplb_placement``: DeepSeek's EPLB (``placement/eplb.py``) without redundant slots, as a permutation file
+  holds one copy per expert: experts packed onto nodes (``nodes`` contiguous groups of devices), then onto the
+  node's devices, each time heaviest first into the lightest pack with room (hierarchical balanced packing).
 * ``max_load`` / ``avg_max_load`` (§VII-A): per batch, the max over devices of the device's share of the batch;
   Max Load is the max over batches (worst case: out-of-memory risk), Avg Max Load the mean over batches (average
   bottleneck). Both are shares of the batch's tokens ("normalized by the total batch size"): 1/D is perfect
@@ -56,7 +59,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 __all__ = ["PLACEMENT_SCHEMA", "PlacementFileError", "PlacementFile", "layer_loads", "shares",
-           "identity_placement", "greedy_placement", "anticorrelation_placement", "device_shares", "max_load",
+           "identity_placement", "greedy_placement", "anticorrelation_placement", "eplb_placement", "device_shares", "max_load",
            "avg_max_load", "evaluate_placements", "placement_to_perm", "perm_to_placement",
            "write_placement_file", "read_placement_file", "apply_expert_permutation", "apply_placement_file",
            "moe_layers_by_id"]
@@ -161,6 +164,23 @@ def anticorrelation_placement(loads, num_devices: int, weight: float = 0.5) -> L
     return _greedy(shares(loads).mean(axis=0), num_devices, float(weight) * pearson(loads))
 
 
+def eplb_placement(loads, num_devices: int, nodes: int = 1) -> List[int]:
+    """DeepSeek's EPLB placement without redundant experts (module docstring): device_of_expert [E]."""
+    from ..placement.eplb import eplb_table
+    E = _loads(loads).shape[1]
+    per = _check_split(E, num_devices)
+    if nodes < 1 or num_devices % nodes:
+        raise ValueError(f"{num_devices} devices do not split into {nodes} node(s) of equal size")
+    size = num_devices // nodes
+    table = eplb_table(shares(loads).mean(axis=0).tolist(), [list(range(k * size, (k + 1) * size))
+                                                              for k in range(nodes)], per, keep_free=0)
+    dev = [-1] * E
+    for d, row in enumerate(table):
+        for e in row:
+            dev[e] = d
+    return dev
+
+
 # --- evaluation ----------------------------------------------------------------------------------------------------
 def device_shares(loads, device_of_expert: Sequence[int], num_devices: int) -> np.ndarray:
     """[B', D]: each device's share of every batch with tokens (B' <= B)."""
@@ -185,9 +205,9 @@ def avg_max_load(loads, device_of_expert: Sequence[int], num_devices: int) -> fl
     return float(d.max(axis=1).mean()) if d.size else 0.0
 
 
-def evaluate_placements(loads, num_devices: int, weight: float = 0.5) -> Dict[str, dict]:
+def evaluate_placements(loads, num_devices: int, weight: float = 0.5, nodes: int = 1) -> Dict[str, dict]:
     """Fit on the first half of the batches, evaluate on the held-out second half (paper 004 §VII-A).
-    Returns {"identity" | "greedy" | "anticorrelation": {"placement": device_of_expert, "max_load": ...,
+    Returns {"identity" | "greedy" | "anticorrelation" | "eplb": {"placement": device_of_expert, "max_load": ...,
     "avg_max_load": ... (held-out half), "fit_max_load": ..., "fit_avg_max_load": ... (the fitted half: what a
     choice between the placements may look at)}}."""
     a = _loads(loads)
@@ -198,7 +218,8 @@ def evaluate_placements(loads, num_devices: int, weight: float = 0.5) -> Dict[st
     out = {}
     for name, dev in (("identity", identity_placement(E, num_devices)),
                       ("greedy", greedy_placement(fit, num_devices)),
-                      ("anticorrelation", anticorrelation_placement(fit, num_devices, weight))):
+                      ("anticorrelation", anticorrelation_placement(fit, num_devices, weight)),
+                      ("eplb", eplb_placement(fit, num_devices, nodes))):
         out[name] = {"placement": list(dev), "max_load": max_load(test, dev, num_devices),
                      "avg_max_load": avg_max_load(test, dev, num_devices),
                      "fit_max_load": max_load(fit, dev, num_devices),

@@ -145,7 +145,7 @@ def cache_sim_main(argv: Optional[Sequence[str]] = None) -> int:
     return 0
 
 
-METHODS = ("best", "greedy", "anticorrelation", "identity")
+METHODS = ("best", "greedy", "anticorrelation", "eplb", "identity")
 
 
 def balance_main(argv: Optional[Sequence[str]] = None) -> int:
@@ -153,19 +153,24 @@ def balance_main(argv: Optional[Sequence[str]] = None) -> int:
 
     p = argparse.ArgumentParser(
         prog="megamoe balance", allow_abbrev=False,
-        description="Expert load balancing (paper 004 §VII, Fig. 14): per layer, fit greedy and anti-correlation "
-                    "placements on the first half of a routing trace's batches, report Max Load (largest share of a "
-                    "batch's tokens one device ever gets) and Avg Max Load (the per-batch largest share, averaged) "
-                    "on the held-out second half for the identity, greedy and anti-correlation placements, and "
-                    "write the chosen placement as a --moe-placement-file.")
+        description="Expert load balancing (paper 004 §VII, Fig. 14): per layer, fit greedy, anti-correlation and "
+                    "EPLB (DeepSeek's hierarchical balanced packing) placements on the first half of a routing "
+                    "trace's batches, report Max Load (largest share of a batch's tokens one device ever gets) and "
+                    "Avg Max Load (the per-batch largest share, averaged) on the held-out second half for the "
+                    "identity, greedy, anti-correlation and EPLB placements, and write the chosen placement as a "
+                    "--moe-placement-file.")
     p.add_argument("--trace", required=True, help="Routing trace (the --moe-trace-path of a run; shards <path>.rank<r>).")
     p.add_argument("--devices", type=int, required=True, help="Expert-parallel devices D to place the experts on.")
     p.add_argument("--out", required=True, help="Placement file to write (JSON, for --moe-placement-file).")
     p.add_argument("--method", choices=METHODS, default="best",
                    help="Placement written per layer: best = the lowest Avg Max Load (then Max Load) on the fitted "
-                        "half of identity, greedy and anti-correlation (default); or one of them for every layer.")
+                        "half of identity, greedy, anti-correlation and EPLB (default); or one of them for every "
+                        "layer.")
     p.add_argument("--weight", type=float, default=0.5,
                    help="Anti-correlation weight of the Pearson term (paper: 0.5).")
+    p.add_argument("--nodes", type=int, default=1,
+                   help="EPLB: the devices form this many nodes of consecutive devices (experts are packed onto "
+                        "nodes first, then onto each node's devices).")
     p.add_argument("--layers", default="", help="Comma list of the trace's layer ids to balance (default: all).")
     p.add_argument("--max-steps", type=int, default=None, help="Use only the trace's first N steps.")
     args = p.parse_args(argv)
@@ -177,15 +182,17 @@ def balance_main(argv: Optional[Sequence[str]] = None) -> int:
         p.error(f"--trace: {S} step(s); need at least 2 (fit on the first half, evaluate on the second)")
     positions = _layer_positions(p, trace, args.layers)
     D = args.devices
+    if args.nodes < 1 or D % args.nodes:
+        p.error(f"--nodes {args.nodes}: --devices {D} must split into that many nodes of equal size")
     print(f"trace {args.trace}: {S} batch(es), fit on the first {S // 2}, evaluated on the last {S - S // 2}; "
           f"{E} experts on {D} device(s); perfect balance = {1 / D:.3f}\n")
-    names = ("identity", "greedy", "anticorrelation")
+    names = ("identity", "greedy", "anticorrelation", "eplb")
     print("| layer | " + " | ".join(f"{n} Max / Avg Max Load" for n in names) + " | written |")
     print("|---|" + "---|" * len(names) + "---|")
     perms, report, chosen = {}, {}, {}
     for j in positions:
         lid = int(trace["layers"][j])
-        res = evaluate_placements(layer_loads(trace, j), D, args.weight)
+        res = evaluate_placements(layer_loads(trace, j), D, args.weight, args.nodes)
         if args.method == "best":
             # chosen on the fitted half only: the held-out half stays an honest estimate of the choice
             pick = min(names, key=lambda n: (round(res[n]["fit_avg_max_load"], 12),
@@ -199,7 +206,7 @@ def balance_main(argv: Optional[Sequence[str]] = None) -> int:
         cells = [f"{res[n]['max_load']:.3f} / {res[n]['avg_max_load']:.3f}" for n in names]
         print(f"| {lid} | " + " | ".join(cells) + f" | {pick} |")
     meta = {"num_devices": D, "method": args.method, "chosen": {str(k): v for k, v in chosen.items()},
-            "weight": args.weight, "trace": os.path.abspath(args.trace), "fit_batches": S // 2,
+            "weight": args.weight, "nodes": args.nodes, "trace": os.path.abspath(args.trace), "fit_batches": S // 2,
             "eval_batches": S - S // 2, "heldout": report,
             "note": "perm[new_slot] = old_expert; device d holds slots d*E/D..(d+1)*E/D-1"}
     write_placement_file(args.out, perms, meta)

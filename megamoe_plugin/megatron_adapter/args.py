@@ -19,7 +19,7 @@ import argparse
 import re
 from typing import Any, Callable, Dict, Optional
 
-from ..config import ConfigError, MoEConfig, flag, iter_options
+from ..config import MOVING_PLACEMENTS, ConfigError, MoEConfig, flag, iter_options
 
 PLUGIN_PREFIX = "--moe-plugin-"
 
@@ -221,7 +221,7 @@ def validate_moe_plugin_args(args) -> Optional[MoEConfig]:
     if _get(args, "use_distributed_optimizer", default=False):
         # the placement runtime moves an expert's rows of the Adam moments and fp32 master weights (placement/
         # runtime.py); the distributed optimizer keeps them flattened and sharded over data-parallel ranks
-        if cfg.placement in ("flexmoe", "shadow"):
+        if cfg.placement in MOVING_PLACEMENTS:
             raise ConfigError(f"megamoe-plugin: --use-distributed-optimizer with --moe-plugin-placement="
                               f"{cfg.placement}: the placement runtime moves experts' rows of the optimizer state, "
                               "which the distributed optimizer shards over data-parallel ranks; drop "

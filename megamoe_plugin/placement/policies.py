@@ -12,6 +12,8 @@ Each run, for every MoE layer of this rank (in model order):
      Expand the hottest per-vExpert load, Shrink the coldest, keep a change only when the cost model predicts a
      gain net of its transfer, then Migrate for cheaper synchronisation; at most ``--moe-placement-max-moves``);
    * ``shadow``: ``ShadowPlanner`` (paper 003 Alg. 1 with Eqs. 7-8): the experts to shadow in the next steps;
+   * ``eplb``: ``EPLBPlanner`` (DeepSeek's EPLB, eplb.py): a whole new slot table from the moving-average load,
+     reached by Expand / Shrink / Migrate, kept only when the cost model predicts a gain net of the moves;
    the ranks of an expert-parallel group check that they agree (one tiny all-reduce);
 3. execution: ``apply_placement`` moves parameters + optimizer state point to point and prepares the replica
    groups (collective over the default group: every rank calls it, with or without moves).
@@ -43,7 +45,7 @@ from .hooks import StepContext, register_placement_policy
 from .optim_state import check_optimizer_supported
 from .runtime import apply_placement
 
-__all__ = ["FlexMoEPolicy", "ShadowPolicy", "global_counts"]
+__all__ = ["EPLBPolicy", "FlexMoEPolicy", "ShadowPolicy", "global_counts"]
 
 # shadow an expert only when the model predicts it saves at least this fraction of the layer step: the
 # calibrated model's error on a step is about 10% (docs/cluster.md), so smaller predicted gains are noise
@@ -215,16 +217,20 @@ class _Policy:
             self.metrics["measured_step_s"] = measured
 
 
-@register_placement_policy("flexmoe")
-class FlexMoEPolicy(_Policy):
-    """FlexMoE (paper 001): Expand / Shrink / Migrate vExperts from the cost model (module docstring)."""
-    name = "flexmoe"
+class _ReplicaPolicy(_Policy):
+    """A policy that replicates experts into spare vExpert slots (refused without any)."""
 
     def __init__(self, cfg: MoEConfig):
         super().__init__(cfg)
         if cfg.slots_per_rank <= cfg.num_local_experts:
-            raise ConfigError(f"{flag('placement')}=flexmoe needs spare vExpert slots: "
+            raise ConfigError(f"{flag('placement')}={self.name} needs spare vExpert slots: "
                               f"{flag('placement_spare_slots')}={cfg.placement_spare_slots} leaves none")
+
+
+@register_placement_policy("flexmoe")
+class FlexMoEPolicy(_ReplicaPolicy):
+    """FlexMoE (paper 001): Expand / Shrink / Migrate vExperts from the cost model (module docstring)."""
+    name = "flexmoe"
 
     def decide(self, key, cm, rt, counts):
         from .flexmoe import FlexMoEPlanner
@@ -245,3 +251,16 @@ class ShadowPolicy(_Policy):
         if key not in self._planners:
             self._planners[key] = ShadowPlanner(cm, min_gain=SHADOW_MIN_GAIN)
         return [], ShadowPlanner.plan(self._planners[key], rt.state, counts)
+
+
+@register_placement_policy("eplb")
+class EPLBPolicy(_ReplicaPolicy):
+    """DeepSeek's EPLB (placement/eplb.py): redundant experts by load per replica, packed onto nodes then ranks from
+    a moving average of the counts; a new table is kept only when the cost model predicts a gain net of its moves."""
+    name = "eplb"
+
+    def decide(self, key, cm, rt, counts):
+        from .eplb import EPLBPlanner
+        if key not in self._planners:
+            self._planners[key] = EPLBPlanner(cm, horizon=float(self.cfg.placement_every))
+        return self._planners[key].plan(rt.state, counts), None
