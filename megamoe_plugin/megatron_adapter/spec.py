@@ -76,6 +76,15 @@ def moe_plugin_spec(spec: Any, cfg: MoEConfig) -> Any:
     return _layer_spec(spec, cfg)
 
 
+def _plugin_config(args) -> MoEConfig:
+    """The MoEConfig Megatron-LM's argument validation stored on ``args`` (validated now when it has not run)."""
+    cfg = getattr(args, "moe_plugin_config", None)
+    if cfg is None:
+        from .args import validate_moe_plugin_args
+        cfg = validate_moe_plugin_args(args)
+    return cfg
+
+
 def moe_plugin_gpt_builder(builder: Callable) -> Callable:
     """Wrap Megatron-LM's ``gpt_builder(args, pre_process, post_process, ...)``: with ``args.moe_plugin`` the
     ``transformer_layer_spec`` it passes to ``GPTModel`` goes through ``moe_plugin_spec`` first."""
@@ -86,10 +95,7 @@ def moe_plugin_gpt_builder(builder: Callable) -> Callable:
     def wrapped(args, *a, **kw):
         if not getattr(args, "moe_plugin", False):
             return builder(args, *a, **kw)
-        cfg = getattr(args, "moe_plugin_config", None)
-        if cfg is None:
-            from .args import validate_moe_plugin_args
-            cfg = validate_moe_plugin_args(args)
+        cfg = _plugin_config(args)
         g = builder.__globals__
         real = g["GPTModel"]
 
@@ -129,10 +135,7 @@ def moe_plugin_model_config(args, model_cfg):
     original = model_cfg.transformer_layer_spec
     if getattr(original, "_megamoe_wrapped", False):
         return model_cfg
-    cfg = getattr(args, "moe_plugin_config", None)
-    if cfg is None:
-        from .args import validate_moe_plugin_args
-        cfg = validate_moe_plugin_args(args)
+    cfg = _plugin_config(args)
 
     def plugin_layer_spec(config, vp_stage=None):
         return moe_plugin_spec(_resolve_layer_spec(original, config, vp_stage), cfg)
