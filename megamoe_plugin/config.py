@@ -121,6 +121,10 @@ class MoEConfig:
     placement_spare_slots: int = _opt(-1, "vExpert slots per rank beyond the experts it starts with (room for "
                                           "replicas); -1 = 1 with --moe-placement flexmoe or eplb, else 0.")
     placement_max_moves: int = _opt(4, "flexmoe: at most this many Expand/Shrink/Migrate per layer per run.")
+    placement_guard: float = _opt(0.03, "Keep a placement change only when the measured steps after it (plus the "
+                                        "change's own time over the interval) are at most this fraction slower "
+                                        "than those before it; otherwise undo it and pause the policy (2, 4, ... "
+                                        "runs). Negative: keep every change the cost model proposes.")
     placement_profile: str = _opt("auto", "Hardware profile whose cost model the placement policies consult: auto "
                                           "(calibrate the running job's own process groups at the first placement "
                                           "run, cached per cluster, refreshed when step times drift from the "

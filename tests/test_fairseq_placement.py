@@ -317,7 +317,8 @@ class MigrateFirst(FlexMoEPolicy):
 
 def test_flexmoe_moves_experts_and_checkpoint_evaluates_in_one_process(lm_data, slow_profile, tmp_path):
     from test_fairseq_train import HELPERS, REPO
-    placement = ["--moe-placement-profile", slow_profile, "--moe-placement-threshold", "1.0", "--moe-placement-interval", "1"]
+    placement = ["--moe-placement-profile", slow_profile, "--moe-placement-threshold", "1.0", "--moe-placement-interval", "1",
+                 "--moe-placement-guard", "-1"]
     _, out = fairseq_cli("train", lm_args(lm_data, tmp_path / "full", 5, *DIST, "--moe-placement", "flexmoe",
                                           *placement, "--save-interval-updates", "3"), nproc=2)
     full = updates(out)

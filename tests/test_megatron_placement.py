@@ -47,8 +47,9 @@ def profile(tmp_path_factory):
 
 
 def _policy(name, profile):
-    return ["--moe-plugin-placement", name, "--moe-plugin-placement-profile", profile,
-            "--moe-plugin-placement-threshold", "1.0", "--moe-plugin-placement-interval", "1"]
+    # the pay-off guard is off: these tests check the mechanics of moves on a cost model, not wall-clock verdicts
+    return ["--moe-plugin-placement", name, "--moe-plugin-placement-guard", "-1", "--moe-plugin-placement-profile",
+            profile, "--moe-plugin-placement-threshold", "1.0", "--moe-plugin-placement-interval", "1"]
 
 
 def _placement_lines(out):

@@ -217,7 +217,8 @@ def _slow_compute_profile(path):
 
 def _policy_run(rank, world, policy, profile):
     torch.manual_seed(0)
-    kw = dict(gate="test_placement_hot", placement_profile=profile, placement_threshold=1.0, placement_interval=1)
+    kw = dict(gate="test_placement_hot", placement_profile=profile, placement_threshold=1.0, placement_interval=1,
+              placement_guard=-1.0)      # the planners' own decisions, not the wall-clock guard's
     ref = MoELayer(_cfg(world, **kw), H, F, ep_group=dist.group.WORLD)
     cfg = _cfg(world, placement=policy, **kw)
     moved = MoELayer(cfg, H, F, ep_group=dist.group.WORLD)
@@ -308,7 +309,8 @@ def _main_job(rank, world, profile, out_dir):
     tiny = ["--hidden", "32", "--layers", "2", "--heads", "2", "--ffn-hidden", "64", "--seq-len", "32",
             "--batch-size", "4", "--corpus-bytes", "100000", "--threads", "1", "--eval-interval", "0",
             "--eval-batches", "2", "--steps", "6", "--log-interval", "1", "--moe-expert-parallel-size", "2",
-            "--moe-placement-profile", profile, "--moe-placement-threshold", "1.0", "--moe-placement-interval", "1"]
+            "--moe-placement-profile", profile, "--moe-placement-threshold", "1.0", "--moe-placement-interval", "1",
+            "--moe-placement-guard", "-1"]
     plain = train.main(tiny)
     placed = train.main(tiny + ["--moe-placement", "flexmoe", "--save", os.path.join(out_dir, "ck")])
     assert [h["loss"] for h in placed.history] == pytest.approx([h["loss"] for h in plain.history], rel=1e-5)

@@ -16,7 +16,9 @@ Each run, for every MoE layer of this rank (in model order):
      reached by Expand / Shrink / Migrate, kept only when the cost model predicts a gain net of the moves;
    the ranks of an expert-parallel group check that they agree (one tiny all-reduce);
 3. execution: ``apply_placement`` moves parameters + optimizer state point to point and prepares the replica
-   groups (collective over the default group: every rank calls it, with or without moves).
+   groups (collective over the default group: every rank calls it, with or without moves);
+4. the pay-off guard (guard.py, ``--moe-placement-guard``): at the next run a change whose measured steps were
+   slower than the steps before it is undone, and the policy pauses.
 
 The cost model is the hardware profile ``--moe-placement-profile`` at the expert-parallel size, with the layer's real
 shape: ``auto`` (the default) calibrates the running job's own process groups at the first run (a second or two,
@@ -27,7 +29,8 @@ predictions; a named profile or the JSON that ``megamoe perf calibrate`` writes 
 steps' routing under the placement they ran with), ``balance_ratio_next`` (the same counts under the new
 placement), ``token_efficiency`` (kept / routed assignments), ``expert_efficiency`` (useful expert rows / (P x
 the busiest rank's rows)), ``replicas`` (vExperts beyond one per expert, shadow copies included), ``shadowed``,
-``moves``, ``bytes_moved`` (model-state bytes sent by the group's ranks), ``predicted_step_s`` (the cost model's
+``moves``, ``bytes_moved`` (model-state bytes sent by the group's ranks), ``changes_kept`` / ``changes_undone``
+(the guard's verdicts so far), ``predicted_step_s`` (the cost model's
 MoE-layer time of the last steps' counts, summed over layers) and ``measured_step_s`` (wall time per optimizer
 step since the previous run, the whole training step).
 """
@@ -41,6 +44,7 @@ import torch
 import torch.distributed as dist
 
 from ..config import ConfigError, MoEConfig, flag
+from .guard import PayoffGuard, job_max
 from .hooks import StepContext, register_placement_policy
 from .optim_state import check_optimizer_supported
 from .runtime import apply_placement
@@ -111,6 +115,7 @@ class _Policy:
         self._clock: Optional[float] = None
         self._last_iteration: Optional[int] = None
         self._checked_optimizer = False
+        self.guard = PayoffGuard(cfg.placement_guard)
 
     def _cm(self, bank, num_experts: int, num_ranks: int):
         from ..perfmodel.cost import LayerShape
@@ -150,10 +155,15 @@ class _Policy:
         measured = None
         if self._clock is not None and self._last_iteration is not None and ctx.iteration > self._last_iteration:
             measured = (now - self._clock) / (ctx.iteration - self._last_iteration)
+        if self.guard.enabled:
+            measured = job_max(measured)             # the slowest rank's: every rank judges the same time
+        undo = self.guard.check(measured, self.cfg.placement_every)
+        hold = undo is None and self.guard.paused()
         changes, rows, decisions = [], [], []
         layers = [m for m in ctx.moe_layers if getattr(m.plan, "placement", None) is not None]
+        before = [(m.plan.placement.state.copy(), tuple(m.plan.placement.shadowed)) for m in layers]
         all_counts = gather_counts([m.plan.placement for m in layers])      # every layer in one collective
-        for layer, counts in zip(layers, all_counts):
+        for i, (layer, counts) in enumerate(zip(layers, all_counts)):
             rt = layer.plan.placement
             bank = layer.experts_bank
             dropped = rt.take_dropped()
@@ -161,7 +171,12 @@ class _Policy:
             before_loads = rt.state.rank_loads(counts, rt.shadowed)
             predicted = cm.shadow_layer_time(counts, rt.shadowed, rt.state.placement()).total if rt.shadowed \
                 else cm.layer_time(counts, rt.state.placement()).total
-            moves, shadow = self.decide(key, cm, rt, counts)
+            if undo is not None:                     # the last change did not pay: put back what was there
+                moves, shadow = undo[i][1], list(undo[i][2])
+            elif hold:
+                moves, shadow = [], None
+            else:
+                moves, shadow = self.decide(key, cm, rt, counts)
             decisions.append((moves, shadow))
             changes.append((rt, moves, bank))
             rows.append((rt, counts, dropped, before_loads, predicted, moves, shadow))
@@ -171,6 +186,11 @@ class _Policy:
         for rt, _, _, _, _, _, shadow in rows:
             if shadow is not None:
                 rt.set_shadowed(shadow)
+        changed = any(moves or (shadow is not None and set(shadow) != set(old[1]))
+                      for (_, _, _, _, _, moves, shadow), old in zip(rows, before))
+        if changed and undo is None:
+            self.guard.record(measured, time.perf_counter() - now, [m.plan.placement for m in layers],
+                              [b[0] for b in before], [b[1] for b in before])
         self._report(rows, sent, measured)
         if self.drift is not None and self.drift.observe(measured, self.metrics.get("predicted_step_s", 0.0)):
             self.profile = None               # the model no longer matches this cluster: measure it again
@@ -212,6 +232,7 @@ class _Policy:
             "replicas": float(replicas), "shadowed": float(shadowed), "moves": float(moves),
             "bytes_moved": float(group_bytes), "predicted_step_s": predicted,
             "calibrations": float(self.calibrations),
+            "changes_kept": float(self.guard.kept), "changes_undone": float(self.guard.undone),
         }
         if measured is not None:
             self.metrics["measured_step_s"] = measured
