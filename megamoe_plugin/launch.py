@@ -6,8 +6,10 @@ unless this process already has a default process group (a fork could not start 
 must then be a module-level function). Under torchrun or on a cluster, call the worker on every rank instead."""
 from __future__ import annotations
 
+import atexit
 import multiprocessing
 import os
+import sys
 import tempfile
 import time
 from typing import Optional
@@ -26,14 +28,19 @@ def _entry(rank: int, world: int, init_file: str, threads: int, fn, args) -> Non
         dist.barrier()          # no rank tears its gloo pairs down while another still talks over them
     finally:
         dist.destroy_process_group()
+    # Done: leave without the interpreter's teardown. Under load, a spawned child's C++ static destructors can find
+    # one of gloo's threads still joinable and abort ("terminate called without an active exception", SIGABRT)
+    # after the work has succeeded; the exit handlers (trace flushes) still run, and stdout / stderr are flushed.
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def run_processes(fn, world: int, *args, threads: Optional[int] = None, label: Optional[str] = None,
                   start_method: Optional[str] = None) -> None:
     """``threads``: intra-op threads per process (default 1). ``label``: print a start and a done line with the
     elapsed time on stderr (long phases of a command are then never silent)."""
-    import sys
-
     import torch.multiprocessing as mp
     inherited = dist.is_available() and dist.is_initialized()
     method = start_method or ("fork" if "fork" in multiprocessing.get_all_start_methods() and not inherited
