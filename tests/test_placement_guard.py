@@ -1,9 +1,11 @@
-"""The pay-off guard (placement/guard.py): a change is judged by the measured step time after it against the one
-before it (the change's own time spread over the interval); one that lost is undone exactly (the previous slot table
-and shadow set come back) and the policy pauses 2, 4, ... runs; one that paid is kept and resets the pauses."""
+"""The pay-off guard (placement/guard.py): a change is judged on the median step of a window of steps after it
+(plus the change's own time spread over the window) against the median of the window before it; no new change is
+made until the window is complete; one that lost is undone exactly (the previous slot table and shadow set come
+back) and the policy pauses 2, 4, ... runs; one that paid is kept and resets the pauses. A single slow step (an
+evaluation in the window) does not decide."""
 from types import SimpleNamespace
 
-from megamoe_plugin.placement.guard import PayoffGuard
+from megamoe_plugin.placement.guard import WAIT, PayoffGuard
 from megamoe_plugin.placement.state import PlacementState
 
 
@@ -15,42 +17,53 @@ def _changed_runtime():
     return rt, before
 
 
+def _steps(guard, *seconds):
+    for s in seconds:
+        guard.observe(s)
+
+
 def test_a_change_that_lost_is_undone_and_the_policy_pauses():
     guard = PayoffGuard(margin=0.03)
     rt, before = _changed_runtime()
-    guard.record(1.00, cost_s=0.5, runtimes=[rt], states=[before], shadows=[(2,)])
-    # 1.00 s/step before; after: 0.99 s + 0.5 s / 10 steps = 1.04 > 1.03: lost
-    undo = guard.check(0.99, interval=10)
-    assert undo is not None and guard.undone == 1 and guard.kept == 0
+    _steps(guard, 1.0, 1.0, 5.0, 1.0)                    # one slow step (an evaluation) among them
+    assert guard.baseline(interval=1) == 1.0              # median of the last 3
+    guard.record(guard.baseline(1), cost_s=0.3, interval=1, runtimes=[rt], states=[before], shadows=[(2,)])
+    _steps(guard, 0.99, 0.99)
+    assert guard.check(1) == WAIT                         # 2 of 3 steps measured: no verdict, no new change
+    _steps(guard, 0.99)
+    # median 0.99 + 0.3 s / 3 steps = 1.09 > 1.03: lost
+    undo = guard.check(1)
+    assert isinstance(undo, list) and guard.undone == 1 and guard.kept == 0
     (got_rt, moves, shadow), = undo
     assert got_rt is rt and shadow == (2,)
     restored = rt.state.copy().apply(moves)
     assert [sorted(e for e in restored.slots_of(r) if e is not None) for r in range(4)] == \
         [sorted(e for e in before.slots_of(r) if e is not None) for r in range(4)]
     assert [guard.paused() for _ in range(3)] == [True, True, False]         # 2 runs after the first undo
-    guard.record(1.00, 0.0, [rt], [before], [()])
-    assert guard.check(1.10, interval=1) is not None                         # a second undo in a row: 4 runs
+    guard.record(1.0, 0.0, 1, [rt], [before], [()])
+    _steps(guard, 1.2, 1.2, 1.2)
+    assert isinstance(guard.check(1), list)                                  # a second undo in a row: 4 runs
     assert [guard.paused() for _ in range(5)] == [True] * 4 + [False]
 
 
-def test_a_change_that_paid_is_kept_and_resets_the_strikes():
+def test_a_change_that_paid_is_kept_and_one_slow_step_does_not_decide():
     guard = PayoffGuard(margin=0.03)
     rt, before = _changed_runtime()
-    guard.record(1.00, 0.0, [rt], [before], [()])
-    assert guard.check(1.20, interval=1) is not None and guard.strikes == 1
-    while guard.paused():
-        pass
-    guard.record(1.00, cost_s=0.2, runtimes=[rt], states=[before], shadows=[()])
-    assert guard.check(0.95, interval=10) is None                            # 0.95 + 0.02 <= 1.03: paid
+    guard.record(1.00, cost_s=1.0, interval=10, runtimes=[rt], states=[before], shadows=[()])
+    _steps(guard, *([0.9] * 8 + [6.0, 6.0]))              # two evaluations in the window of 10
+    assert guard.check(10) is None                        # median 0.9 + 1.0 s / 10 = 1.0 <= 1.03: paid
     assert guard.kept == 1 and guard.strikes == 0 and not guard.paused()
-    assert guard.check(5.0, interval=1) is None                              # nothing pending: nothing to judge
+    assert guard.check(10) is None                        # nothing pending: nothing to judge
 
 
 def test_no_measurement_or_guard_off_keeps_everything():
     rt, before = _changed_runtime()
     off = PayoffGuard(margin=-1)
-    off.record(1.0, 0.0, [rt], [before], [()])
-    assert off.check(9.0, interval=1) is None and off.pending is None
+    _steps(off, 1.0, 1.0, 1.0)
+    assert off.steps == [] and off.baseline(1) is None        # off: nothing measured
+    off.record(1.0, 0.0, 1, [rt], [before], [()])
+    assert off.check(1) is None and off.pending is None
     on = PayoffGuard()
-    on.record(None, 0.0, [rt], [before], [()])                              # the first run has no "before"
-    assert on.check(9.0, interval=1) is None
+    assert on.baseline(1) is None                         # no step seen yet: no "before", nothing recorded
+    on.record(None, 0.0, 1, [rt], [before], [()])
+    assert on.check(1) is None

@@ -3,26 +3,31 @@ before it, so a policy never loses to the placement it started from by more than
 
 The planners decide from a cost model; where the model is wrong about a cost (a replica's gradient all-reduce, a
 shadow broadcast, padding, the moves themselves), a change it predicted to pay can lose. The guard checks each change
-against the measurement that follows it: after a run that changed something (moves or a new shadow set), the next run
-compares the interval's measured step time, plus the change's own time (the hook that made the moves) spread over
-the interval, with the interval before the change. Slower by more than ``margin``: the change is undone (the previous
-slot table is restored with ``eplb.moves_to``, the previous shadow set put back) and the policy pauses for
-``backoff ** strikes`` runs (doubling at each consecutive undo, at most ``max_pause``); not slower: kept, and the
-strikes reset.
+against the measurement that follows it. It sees every training step's duration (``observe``, from the after-step
+hook) and compares the median step of the ``window`` steps after a change (at least 3, or the policy's interval),
+plus the change's own time (the hook run that made it) spread over the window, with the median of the ``window``
+steps before it. Medians, so a step that also ran an evaluation or a checkpoint does not decide. Until the window
+after a change is complete the policy makes no new change (``waiting``), so each verdict judges one change.
 
-The step times are the maximum over all ranks (one all-reduce of one number), so every rank takes the same decision.
+Slower by more than ``margin``: the change is undone (the previous slot table is restored with ``eplb.moves_to``,
+the previous shadow set put back) and the policy pauses for ``backoff ** strikes`` runs (doubling at each
+consecutive undo, at most ``max_pause``); not slower: kept, and the strikes reset. The medians are the maximum over
+all ranks (one all-reduce), so every rank takes the same decision.
 """
 from __future__ import annotations
 
+import statistics
 from dataclasses import dataclass, field
 from typing import List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 
-from .state import Move, PlacementError, PlacementState
+from .state import PlacementError, PlacementState
 
-__all__ = ["PayoffGuard", "job_max"]
+__all__ = ["PayoffGuard", "WAIT", "job_max"]
+
+WAIT = "wait"
 
 
 def job_max(value: Optional[float]) -> Optional[float]:
@@ -38,16 +43,20 @@ def job_max(value: Optional[float]) -> Optional[float]:
 
 @dataclass
 class _Change:
-    before_s: float                                   # measured step time of the interval before the change
-    cost_s: float                                     # the change's own time (the hook that made it)
+    before_s: float                                   # median step before the change (slowest rank)
+    cost_s: float                                     # the change's own time (the hook run that made it)
+    start: int                                        # index of the first step after the change
+    window: int
     snapshots: List[Tuple[object, PlacementState, Tuple[int, ...]]] = field(default_factory=list)
 
 
 class PayoffGuard:
     """Module docstring. ``margin`` < 0 turns the guard off (every change is kept)."""
 
-    def __init__(self, margin: float = 0.03, backoff: int = 2, max_pause: int = 32):
-        self.margin, self.backoff, self.max_pause = float(margin), int(backoff), int(max_pause)
+    def __init__(self, margin: float = 0.03, min_steps: int = 3, backoff: int = 2, max_pause: int = 32):
+        self.margin, self.min_steps = float(margin), int(min_steps)
+        self.backoff, self.max_pause = int(backoff), int(max_pause)
+        self.steps: List[float] = []                  # every observed training step's duration (s), in order
         self.pending: Optional[_Change] = None
         self.strikes = self.pause = self.kept = self.undone = 0
 
@@ -55,15 +64,34 @@ class PayoffGuard:
     def enabled(self) -> bool:
         return self.margin >= 0
 
-    def check(self, measured_s: Optional[float], interval: int) -> Optional[List[Tuple[object, List[Move],
-                                                                                        Tuple[int, ...]]]]:
-        """At the start of a run, with the job's measured step time since the last run: None, or for every layer
-        ``(runtime, moves, shadow set)`` that undo the last change (it did not pay)."""
-        change, self.pending = self.pending, None
-        if change is None or measured_s is None or not self.enabled:
+    def window(self, interval: int) -> int:
+        return max(self.min_steps, int(interval))
+
+    def observe(self, seconds: float) -> None:
+        """One training step's duration (called by the after-step hook after every step)."""
+        if self.enabled:
+            self.steps.append(float(seconds))
+            if self.pending is None and len(self.steps) > 256:
+                del self.steps[:-128]
+
+    def baseline(self, interval: int) -> Optional[float]:
+        """This rank's median step over the last window (None while fewer steps were seen)."""
+        w = self.window(interval)
+        return statistics.median(self.steps[-w:]) if len(self.steps) >= w else None
+
+    def check(self, interval: int):
+        """At a policy run (collective while a change is pending): None (nothing to judge, or the change paid),
+        ``WAIT`` (its window is not complete: make no new change), or for every layer ``(runtime, moves, shadow
+        set)`` that undo the last change (it lost)."""
+        change = self.pending
+        if change is None or not self.enabled:
             return None
-        after = measured_s + change.cost_s / max(interval, 1)
-        if after <= change.before_s * (1.0 + self.margin):
+        after = self.steps[change.start:]
+        if len(after) < change.window:
+            return WAIT
+        self.pending = None
+        measured = job_max(statistics.median(after[:change.window]))
+        if measured + change.cost_s / change.window <= change.before_s * (1.0 + self.margin):
             self.kept += 1
             self.strikes = 0
             return None
@@ -88,9 +116,11 @@ class PayoffGuard:
             return True
         return False
 
-    def record(self, before_s: Optional[float], cost_s: float, runtimes: Sequence[object],
+    def record(self, before_s: Optional[float], cost_s: float, interval: int, runtimes: Sequence[object],
                states: Sequence[PlacementState], shadows: Sequence[Tuple[int, ...]]) -> None:
-        """A run changed the placement: remember what it was, to judge the change at the next run."""
+        """A run changed the placement: remember what it was, to judge the change once its window is measured.
+        ``before_s``: the job's median step before the change (``job_max(baseline(interval))``)."""
         if before_s is None or not self.enabled:
             return
-        self.pending = _Change(before_s, cost_s, list(zip(runtimes, states, shadows)))
+        self.pending = _Change(before_s, cost_s, len(self.steps), self.window(interval),
+                               list(zip(runtimes, states, shadows)))

@@ -17,6 +17,7 @@ A policy is a callable ``policy(ctx: StepContext) -> None`` (or an object with `
 from __future__ import annotations
 
 import importlib
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional
 
@@ -78,6 +79,7 @@ class AfterStepHook:
         self.policy = policy if policy is not None else build_placement_policy(cfg)
         self.callbacks: List[Callable[[StepContext], None]] = []
         self.calls = 0
+        self._returned: Optional[float] = None
 
     def add(self, fn: Callable[[StepContext], None]) -> None:
         self.callbacks.append(fn)
@@ -87,17 +89,26 @@ class AfterStepHook:
         return self.policy is not None or bool(self.callbacks)
 
     def run(self, model, optimizer, iteration: int, moe_layers: Optional[List[nn.Module]] = None, **extra) -> bool:
-        """Call after ``optimizer.step()`` on every rank. Returns True when something ran."""
-        if not self.active or iteration % self.cfg.placement_every:
-            return False
-        if moe_layers is None:
-            moe_layers = find_moe_layers(model)
-        ctx = StepContext(model, optimizer, iteration, moe_layers, dict(extra))
-        if self.policy is not None:
-            self.policy(ctx)
-        for fn in self.callbacks:
-            fn(ctx)
-        self.calls += 1
-        return True
+        """Call after ``optimizer.step()`` on every rank. Returns True when something ran. Every call also gives
+        the policy the step's duration (the time since the previous call returned) when it takes one
+        (``observe_step``: the pay-off guard's measurements)."""
+        start = time.perf_counter()
+        observe = getattr(self.policy, "observe_step", None)
+        if observe is not None and self._returned is not None:
+            observe(start - self._returned)
+        try:
+            if not self.active or iteration % self.cfg.placement_every:
+                return False
+            if moe_layers is None:
+                moe_layers = find_moe_layers(model)
+            ctx = StepContext(model, optimizer, iteration, moe_layers, dict(extra))
+            if self.policy is not None:
+                self.policy(ctx)
+            for fn in self.callbacks:
+                fn(ctx)
+            self.calls += 1
+            return True
+        finally:
+            self._returned = time.perf_counter()
 
 

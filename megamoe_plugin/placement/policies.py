@@ -17,8 +17,9 @@ Each run, for every MoE layer of this rank (in model order):
    the ranks of an expert-parallel group check that they agree (one tiny all-reduce);
 3. execution: ``apply_placement`` moves parameters + optimizer state point to point and prepares the replica
    groups (collective over the default group: every rank calls it, with or without moves);
-4. the pay-off guard (guard.py, ``--moe-placement-guard``): at the next run a change whose measured steps were
-   slower than the steps before it is undone, and the policy pauses.
+4. the pay-off guard (guard.py, ``--moe-placement-guard``): once the steps after a change are measured (a window
+   of at least 3 steps; no new change meanwhile), a change whose median step is slower than the median before it is
+   undone, and the policy pauses.
 
 The cost model is the hardware profile ``--moe-placement-profile`` at the expert-parallel size, with the layer's real
 shape: ``auto`` (the default) calibrates the running job's own process groups at the first run (a second or two,
@@ -44,7 +45,7 @@ import torch
 import torch.distributed as dist
 
 from ..config import ConfigError, MoEConfig, flag
-from .guard import PayoffGuard, job_max
+from .guard import WAIT, PayoffGuard, job_max
 from .hooks import StepContext, register_placement_policy
 from .optim_state import check_optimizer_supported
 from .runtime import apply_placement
@@ -129,6 +130,10 @@ class _Policy:
     def decide(self, key, cm, rt, counts):
         raise NotImplementedError
 
+    def observe_step(self, seconds: float) -> None:
+        """One training step's duration, from the after-step hook (the pay-off guard's measurements)."""
+        self.guard.observe(seconds)
+
     def _ensure_profile(self, layers) -> None:
         """--moe-placement-profile auto: calibrate this job at the expert shape of its first MoE layer (collective:
         every rank runs the policies at the same step), or again after a drift."""
@@ -155,10 +160,11 @@ class _Policy:
         measured = None
         if self._clock is not None and self._last_iteration is not None and ctx.iteration > self._last_iteration:
             measured = (now - self._clock) / (ctx.iteration - self._last_iteration)
-        if self.guard.enabled:
-            measured = job_max(measured)             # the slowest rank's: every rank judges the same time
-        undo = self.guard.check(measured, self.cfg.placement_every)
-        hold = undo is None and self.guard.paused()
+        every = self.cfg.placement_every
+        verdict = self.guard.check(every)            # the last change, judged on the steps after it
+        undo = verdict if isinstance(verdict, list) else None
+        hold = verdict == WAIT or (undo is None and self.guard.paused())
+        baseline = job_max(self.guard.baseline(every)) if self.guard.enabled else None
         changes, rows, decisions = [], [], []
         layers = [m for m in ctx.moe_layers if getattr(m.plan, "placement", None) is not None]
         before = [(m.plan.placement.state.copy(), tuple(m.plan.placement.shadowed)) for m in layers]
@@ -189,7 +195,7 @@ class _Policy:
         changed = any(moves or (shadow is not None and set(shadow) != set(old[1]))
                       for (_, _, _, _, _, moves, shadow), old in zip(rows, before))
         if changed and undo is None:
-            self.guard.record(measured, time.perf_counter() - now, [m.plan.placement for m in layers],
+            self.guard.record(baseline, time.perf_counter() - now, every, [m.plan.placement for m in layers],
                               [b[0] for b in before], [b[1] for b in before])
         self._report(rows, sent, measured)
         if self.drift is not None and self.drift.observe(measured, self.metrics.get("predicted_step_s", 0.0)):
