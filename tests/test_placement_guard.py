@@ -65,5 +65,7 @@ def test_no_measurement_or_guard_off_keeps_everything():
     assert off.check(1) is None and off.pending is None
     on = PayoffGuard()
     assert on.baseline(1) is None                         # no step seen yet: no "before", nothing recorded
+    _steps(on, 2.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0)
+    assert on.baseline(10) == 1.0                         # a first run at step 10 has 9 steps: judged on them
     on.record(None, 0.0, 1, [rt], [before], [()])
     assert on.check(1) is None

@@ -75,9 +75,9 @@ class PayoffGuard:
                 del self.steps[:-128]
 
     def baseline(self, interval: int) -> Optional[float]:
-        """This rank's median step over the last window (None while fewer steps were seen)."""
-        w = self.window(interval)
-        return statistics.median(self.steps[-w:]) if len(self.steps) >= w else None
+        """This rank's median step over the last window, or over every step seen when fewer (None under
+        ``min_steps``: a policy's first run at step ``interval`` has seen ``interval - 1`` step durations)."""
+        return statistics.median(self.steps[-self.window(interval):]) if len(self.steps) >= self.min_steps else None
 
     def check(self, interval: int):
         """At a policy run (collective while a change is pending): None (nothing to judge, or the change paid),
