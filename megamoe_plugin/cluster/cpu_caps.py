@@ -22,6 +22,8 @@ import os
 import time
 from typing import List, Optional, Sequence
 
+from .resource import CreatedResource
+
 PREFIX = "mmoe"
 PERIOD_US = 10_000
 _V1_ROOTS = ("/sys/fs/cgroup/cpu", "/sys/fs/cgroup/cpu,cpuacct")
@@ -83,8 +85,9 @@ def parse_shares(text: str, world: int, cores: Optional[int] = None) -> Optional
     return values
 
 
-class CpuCaps:
-    """One cgroup per rank with a CFS quota of ``shares[rank]`` cores (a context manager; removes everything)."""
+class CpuCaps(CreatedResource):
+    """One cgroup per rank with a CFS quota of ``shares[rank]`` cores (a context manager; removes everything it
+    made: ``destroy`` removes the run's whole cgroup tree)."""
 
     def __init__(self, run_id: str, shares: Sequence[float], period_us: int = PERIOD_US):
         found = controller_root()
@@ -94,32 +97,18 @@ class CpuCaps:
         self.shares = [float(s) for s in shares]
         self.period_us = int(period_us)
         self.base = os.path.join(self.root, f"{PREFIX}{run_id}")
-        self._created: List[str] = []
-
-    def __enter__(self) -> "CpuCaps":
-        try:
-            self.create()
-        except BaseException:
-            self.destroy()
-            raise
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.destroy()
 
     def path(self, rank: int) -> str:
         return os.path.join(self.base, f"r{rank}")
 
     def create(self) -> None:
         os.mkdir(self.base)
-        self._created.append(self.base)
         if self.kind == "v2":
             _write(os.path.join(self.root, "cgroup.subtree_control"), "+cpu", ignore_errors=True)
             _write(os.path.join(self.base, "cgroup.subtree_control"), "+cpu")
         for rank, share in enumerate(self.shares):
             d = self.path(rank)
             os.mkdir(d)
-            self._created.append(d)
             quota = max(1000, int(round(share * self.period_us)))
             if self.kind == "v1":
                 _write(os.path.join(d, "cpu.cfs_period_us"), str(self.period_us))
@@ -144,7 +133,6 @@ class CpuCaps:
 
     def destroy(self) -> None:
         remove_tree(self.root, self.base)
-        self._created.clear()
 
 
 def _write(path: str, value: str, ignore_errors: bool = False) -> None:

@@ -29,6 +29,8 @@ import subprocess
 from dataclasses import dataclass
 from typing import List, Optional
 
+from .resource import CreatedResource
+
 PREFIX = "mmoe"
 SUBNET = "10.213.77"            # one private /24, configured only inside the node namespaces
 STATE_DIR = "/run/megamoe-cluster"
@@ -98,7 +100,7 @@ class Node:
     address: str
 
 
-class EmulatedCluster:
+class EmulatedCluster(CreatedResource):
     """N network namespaces behind one bridge, each node's link shaped to ``inter_bandwidth`` bytes/s."""
 
     def __init__(self, nodes: int, inter_bandwidth: float, intra_bandwidth: Optional[float] = None,
@@ -115,17 +117,6 @@ class EmulatedCluster:
         self._created: List[tuple] = []          # ("netns", name) / ("link", name), in creation order
 
     # --- lifecycle ----------------------------------------------------------------------------------------------
-    def __enter__(self) -> "EmulatedCluster":
-        try:
-            self.create()
-        except BaseException:
-            self.destroy()
-            raise
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.destroy()
-
     def create(self) -> None:
         os.makedirs(STATE_DIR, exist_ok=True)
         with open(os.path.join(STATE_DIR, f"{self.run_id}.json"), "w") as f:
