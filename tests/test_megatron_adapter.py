@@ -10,7 +10,6 @@ import pytest
 import torch
 
 from megamoe_plugin.config import ConfigError, MoEConfig
-from megamoe_plugin.layer import MoELayer
 from megamoe_plugin.megatron_adapter.peer import ensure_megatron_parallel_state
 
 H, F, E = 32, 64, 4
@@ -43,16 +42,13 @@ def _plugin_layer(gate="naive", **flags):
 
 def test_plugin_layer_matches_core_layer():
     from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+    from megamoe_plugin.megatron_adapter.doctor import core_twin
     from megamoe_plugin.megatron_adapter.layer import PluginMoELayer
 
     torch.manual_seed(0)
     layer, cfg = _plugin_layer("naive")
     assert isinstance(layer, PluginMoELayer)
-    core = MoELayer(cfg, H, F)
-    with torch.no_grad():
-        core.gate.weight.copy_(layer.router.gate.weight)
-        core.experts.w1.copy_(layer.experts.bank.w1)
-        core.experts.w2.copy_(layer.experts.bank.w2)
+    core = core_twin(layer, cfg)                   # the core layer with the same weights
     x = torch.randn(8, 3, H)
     xm, xc = x.clone().requires_grad_(), x.clone().requires_grad_()
     MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(1.0))

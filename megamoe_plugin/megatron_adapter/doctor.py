@@ -106,10 +106,23 @@ def _grad_norm() -> str:
     return f"MegatronOptimizer.{found[0]}"
 
 
+def core_twin(layer, cfg):
+    """The framework-agnostic core ``MoELayer`` holding ``layer``'s (a ``PluginMoELayer``, one rank) router and
+    expert weights: the reference the plugin layer inside Megatron must match."""
+    import torch
+    from ..layer import MoELayer
+    bank = layer.experts.bank
+    core = MoELayer(cfg, bank.hidden_size, bank.ffn_hidden_size)
+    with torch.no_grad():
+        core.gate.weight.copy_(layer.router.gate.weight)
+        core.experts.w1.copy_(bank.w1)
+        core.experts.w2.copy_(bank.w2)
+    return core
+
+
 def _layer_forward_backward() -> str:
     import torch
     from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
-    from ..layer import MoELayer
     from .compat import build_mlp
     from .layer import PluginMoELayer
     tc, cfg, spec = _layer_spec_and_cfg()
@@ -118,11 +131,7 @@ def _layer_forward_backward() -> str:
     layer.set_layer_number(1)
     if not isinstance(layer, PluginMoELayer):
         raise TypeError(f"the substituted spec built {type(layer).__name__}, not PluginMoELayer")
-    core = MoELayer(cfg, H, F)
-    with torch.no_grad():
-        core.gate.weight.copy_(layer.router.gate.weight)
-        core.experts.w1.copy_(layer.experts.bank.w1)
-        core.experts.w2.copy_(layer.experts.bank.w2)
+    core = core_twin(layer, cfg)
     x = torch.randn(8, 2, H)
     MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(1.0))
     out, bias = layer(x.clone().requires_grad_())
