@@ -5,7 +5,7 @@ profile auto``), so FlexMoE and shadowing decide with the cluster they run on ra
 first run, every rank at the same point):
 
 1. looks up a cached profile for this cluster's signature (world size, the launcher's topology and its bandwidths,
-   device, cores, torch version, the experts' hidden/FFN sizes and dtype) in ``~/.cache/megamoe/profiles`` (or
+   each rank's CPU share, device, cores, torch version, the experts' hidden/FFN sizes and dtype) in ``~/.cache/megamoe/profiles`` (or
    ``$MEGAMOE_PROFILE_CACHE``); rank 0 decides and broadcasts, so every rank uses the same numbers;
 2. otherwise measures, in well under a second on CPU: the expert FFN's forward+backward at the job's own
    hidden/FFN sizes with every rank at once (and rank 0 alone: ranks sharing one machine's cores become a shared
@@ -44,6 +44,7 @@ def signature(hidden: int, ffn: int, dtype: torch.dtype, world: int, device: str
     parts = [f"world={world}", f"topology={os.environ.get('MEGAMOE_TOPOLOGY', '')}",
              f"bw={shaping or os.environ.get('MEGAMOE_TOPOLOGY_BANDWIDTH_GBPS', '')}",
              f"local={os.environ.get('LOCAL_WORLD_SIZE', '')}", f"host={platform.node()}", f"device={device}",
+             f"cpu_share={os.environ.get('MEGAMOE_CPU_SHARE', '')}",
              f"cores={os.cpu_count()}", f"threads={torch.get_num_threads()}", f"torch={torch.__version__}",
              f"shape={hidden}x{ffn}", f"dtype={dtype}"]
     return hashlib.sha1(";".join(parts).encode()).hexdigest()[:16]
@@ -106,13 +107,16 @@ def measure_profile(hidden: int, ffn: int, dtype: torch.dtype, device: torch.dev
 
     world = _world()
     group = dist.group.WORLD if world > 1 else None
-    tokens = (128, 512)
-    gemm = measure_gemm(hidden, ffn, tokens=tokens, iters=2, device=device, dtype=dtype, group=group)
+    # a rank capped by a CPU quota (megamoe cluster run --cpu-share) runs in bursts of the quota's period: each
+    # point must span many periods to give the rate the rank sustains, not one burst's
+    capped = bool(os.environ.get("MEGAMOE_CPU_SHARE")) and device.type == "cpu"
+    tokens, iters = ((512, 2048), 3) if capped else ((128, 512), 2)
+    gemm = measure_gemm(hidden, ffn, tokens=tokens, iters=iters, device=device, dtype=dtype, group=group)
     flops, shared = gemm["flops"], 0.0
     if world > 1 and device.type == "cpu":
         solo = torch.tensor([flops], dtype=torch.float64)
         if _rank() == 0:
-            solo[0] = measure_gemm(hidden, ffn, tokens=tokens, iters=2, device=device, dtype=dtype)["flops"]
+            solo[0] = measure_gemm(hidden, ffn, tokens=tokens, iters=iters, device=device, dtype=dtype)["flops"]
         dist.broadcast(solo, 0)
         if float(solo) > 1.25 * flops:                 # ranks sharing one machine's cores
             flops, shared = float(solo), flops * world

@@ -69,6 +69,7 @@ class StepContext:
     iteration: int                  # optimizer steps done so far (1 after the first step)
     moe_layers: List[nn.Module]     # the model's MoE layers (core MoELayer or adapter layers), in order
     extra: Dict[str, Any] = field(default_factory=dict)   # adapter-specific (e.g. Megatron's process groups)
+    steps: int = 1                  # optimizer steps since the policy last ran: the steps the layers' counts cover
 
 
 class AfterStepHook:
@@ -80,6 +81,7 @@ class AfterStepHook:
         self.callbacks: List[Callable[[StepContext], None]] = []
         self.calls = 0
         self._returned: Optional[float] = None
+        self._steps = 0                 # optimizer steps since the policy last ran
 
     def add(self, fn: Callable[[StepContext], None]) -> None:
         self.callbacks.append(fn)
@@ -96,12 +98,14 @@ class AfterStepHook:
         observe = getattr(self.policy, "observe_step", None)
         if observe is not None and self._returned is not None:
             observe(start - self._returned)
+        self._steps += 1
         try:
             if not self.active or iteration % self.cfg.placement_every:
                 return False
             if moe_layers is None:
                 moe_layers = find_moe_layers(model)
-            ctx = StepContext(model, optimizer, iteration, moe_layers, dict(extra))
+            ctx = StepContext(model, optimizer, iteration, moe_layers, dict(extra), steps=self._steps)
+            self._steps = 0
             if self.policy is not None:
                 self.policy(ctx)
             for fn in self.callbacks:

@@ -31,9 +31,10 @@ steps' routing under the placement they ran with), ``balance_ratio_next`` (the s
 placement), ``token_efficiency`` (kept / routed assignments), ``expert_efficiency`` (useful expert rows / (P x
 the busiest rank's rows)), ``replicas`` (vExperts beyond one per expert, shadow copies included), ``shadowed``,
 ``moves``, ``bytes_moved`` (model-state bytes sent by the group's ranks), ``changes_kept`` / ``changes_undone``
-(the guard's verdicts so far), ``predicted_step_s`` (the cost model's
-MoE-layer time of the last steps' counts, summed over layers) and ``measured_step_s`` (wall time per optimizer
-step since the previous run, the whole training step).
+(the guard's verdicts so far), ``predicted_step_s`` (the cost model's MoE-layer time of one step with the last
+steps' mean counts under the placement they ran with, summed over layers), ``predicted_static_step_s`` (the same
+counts under static contiguous experts: the two give the model's predicted saving per step) and
+``measured_step_s`` (wall time per optimizer step since the previous run, the whole training step).
 """
 from __future__ import annotations
 
@@ -78,6 +79,12 @@ def gather_counts(runtimes) -> list:
     if rt0.edp_group is not None and dist.is_initialized() and dist.get_world_size(rt0.edp_group) > 1:
         dist.all_reduce(counts, group=rt0.edp_group)
     return list(counts.cpu())
+
+
+def _static_placement(rt):
+    """The layer's placement without the policy: contiguous blocks of experts, one slot each, nothing shadowed."""
+    from .state import PlacementState
+    return PlacementState(rt.num_experts, rt.ep.size, rt.slots_per_rank, max_replicas_per_rank=1).placement()
 
 
 def _agree(rt, decision) -> None:
@@ -168,15 +175,20 @@ class _Policy:
         changes, rows, decisions = [], [], []
         layers = [m for m in ctx.moe_layers if getattr(m.plan, "placement", None) is not None]
         before = [(m.plan.placement.state.copy(), tuple(m.plan.placement.shadowed)) for m in layers]
-        all_counts = gather_counts([m.plan.placement for m in layers])      # every layer in one collective
+        # the counts of the steps since the last run, as one step's: the cost model prices one step, against
+        # which a move's one-off transfer is amortised over the interval
+        steps = max(int(getattr(ctx, "steps", 1)), 1)
+        all_counts = [c / steps for c in gather_counts([m.plan.placement for m in layers])]   # one collective
+        static_pred = 0.0
         for i, (layer, counts) in enumerate(zip(layers, all_counts)):
             rt = layer.plan.placement
             bank = layer.experts_bank
-            dropped = rt.take_dropped()
+            dropped = rt.take_dropped() / steps
             key, cm = self._cm(bank, rt.num_experts, rt.ep.size)
             before_loads = rt.state.rank_loads(counts, rt.shadowed)
             predicted = cm.shadow_layer_time(counts, rt.shadowed, rt.state.placement()).total if rt.shadowed \
                 else cm.layer_time(counts, rt.state.placement()).total
+            static_pred += cm.layer_time(counts, _static_placement(rt)).total
             if undo is not None:                     # the last change did not pay: put back what was there
                 moves, shadow = undo[i][1], list(undo[i][2])
             elif hold:
@@ -198,6 +210,8 @@ class _Policy:
             self.guard.record(baseline, time.perf_counter() - now, every, [m.plan.placement for m in layers],
                               [b[0] for b in before], [b[1] for b in before])
         self._report(rows, sent, measured)
+        if rows:
+            self.metrics["predicted_static_step_s"] = static_pred
         if self.drift is not None and self.drift.observe(measured, self.metrics.get("predicted_step_s", 0.0)):
             self.profile = None               # the model no longer matches this cluster: measure it again
             self.drift.reset()
