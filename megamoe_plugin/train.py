@@ -649,7 +649,8 @@ def _progress_line(record: dict, steps: int, hook: AfterStepHook, dynamic, ps: P
         # device balance (experts in contiguous blocks over the ranks) only when EP spans the world
         line += " | " + format_load(record["moe"], show_device_balance=1 < ps.ep_size == ps.world_size)
     record["dynamic"] = dyn
-    record["placement"] = dict(placed or {}, moves_total=getattr(hook.policy, "total_moves", 0))
+    record["placement"] = dict(placed or {}, moves_total=getattr(hook.policy, "total_moves", 0),
+                               bytes_moved_total=getattr(hook.policy, "total_bytes", 0))
     return line
 
 

@@ -60,6 +60,17 @@ def _efficiency(counts, per: int):
     return (loads.max(1).values * P / total).mean().item(), (total / (P * loads.max(1).values.clamp_min(1))).mean().item()
 
 
+def _predicted_saving(placed: List[dict]) -> Optional[float]:
+    """The cost model's predicted MoE saving per step over static placement, mean of the second half of the
+    policy's runs (None for a run without a policy)."""
+    pairs = [(p["predicted_static_step_s"], p["predicted_step_s"]) for p in placed
+             if "predicted_static_step_s" in p and "predicted_step_s" in p]
+    if not pairs:
+        return None
+    half = pairs[len(pairs) // 2:]
+    return sum(a - b for a, b in half) / len(half)
+
+
 def run_one(run: str, routing: List[str], steps: int, capacity_factor: float, inter: float, intra: Optional[float],
             out: str, port: int, batch_size: int = 8, cpu_shares=None) -> dict:
     from ..stats import load_trace
@@ -90,7 +101,39 @@ def run_one(run: str, routing: List[str], steps: int, capacity_factor: float, in
             "shadowed_last": placed[-1].get("shadowed", 0.0) if placed else 0.0,
             "replicas_last": placed[-1].get("replicas", 0.0) if placed else 0.0,
             "bytes_moved_last": placed[-1].get("bytes_moved", 0.0) if placed else 0.0,
+            "bytes_moved_total": max([p.get("bytes_moved_total", 0.0) for p in placed] + [0.0]),
+            "predicted_saving_s": _predicted_saving(placed),
             "wall_seconds": time.time() - t0, "routed_lines": routed}
+
+
+def _skewed(aux_loss: float) -> List[str]:
+    """Switch top-1 routing with the given balance-loss coefficient (0: no balance loss, the most skewed)."""
+    return SKEWED[:-1] + [f"{aux_loss:g}"]
+
+
+def _summarise(rounds: List[dict]) -> dict:
+    """One run's rounds as one row: the medians of the step time and the time to target (spread kept), the
+    rest from the round with the median step."""
+    by_step = sorted(rounds, key=lambda r: r["step_seconds"])
+    row = dict(by_step[len(by_step) // 2])
+    row["step_seconds_rounds"] = [r["step_seconds"] for r in rounds]
+    row["step_seconds"] = statistics.median(row["step_seconds_rounds"])
+    ttt = [r["time_to_target"] for r in rounds if r.get("time_to_target") is not None]
+    row["time_to_target_rounds"] = [r.get("time_to_target") for r in rounds]
+    row["time_to_target"] = statistics.median(ttt) if len(ttt) == len(rounds) else None
+    return row
+
+
+def _predicted_vs_measured(rows: List[dict]) -> None:
+    """Each run's speed-up over static per step: measured (median steps), and predicted by the cost model: the
+    static run's measured step less the model's predicted MoE saving per step of the run's placement (its
+    ``predicted_static_step_s - predicted_step_s``, second half of the run)."""
+    static = next((r for r in rows if r["run"] == "static"), None)
+    for r in rows:
+        r["measured_speedup"] = static["step_seconds"] / r["step_seconds"] if static else None
+        saving = r.get("predicted_saving_s")
+        r["predicted_speedup"] = (static["step_seconds"] / max(static["step_seconds"] - saving, 1e-9)
+                                  if static and saving is not None else None)
 
 
 def main(argv: Optional[List[str]] = None) -> dict:
@@ -98,12 +141,16 @@ def main(argv: Optional[List[str]] = None) -> dict:
     p.add_argument("--runs", default=",".join(RUNS))
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--capacity-factor", type=float, default=1.25)
-    p.add_argument("--inter-node-bandwidth", default="100MB/s")
+    p.add_argument("--inter-node-bandwidth", default="100MB/s", help="one value or a comma list (a sweep)")
     p.add_argument("--intra-node-bandwidth", default=None, help="default: unshaped loopback")
     p.add_argument("--balanced", action="store_true", help="also the balanced model (planners must stay idle)")
-    p.add_argument("--batch-size", type=int, default=8, help="sequences of 64 tokens per rank per step (8: 512 "
-                   "tokens per rank; 32: 2,048, the papers' regime where the hot expert's activations exceed its "
-                   "parameters)")
+    p.add_argument("--batch-size", default="8", help="sequences of 64 tokens per rank per step, or a comma list "
+                   "(8: 512 tokens per rank; 32: 2,048, the papers' regime where the hot expert's activations "
+                   "exceed its parameters)")
+    p.add_argument("--aux-loss", default="0", help="the skewed model's balance-loss coefficient, or a comma list "
+                   "(0: no balance loss, the most skewed; 0.01: milder skew)")
+    p.add_argument("--rounds", type=int, default=1, help="rounds, each running every run once, interleaved "
+                   "(medians and spread reported)")
     p.add_argument("--cpu-share", default="auto", help="each rank's CPU share in cores (megamoe cluster run "
                    "--cpu-share): auto, off, one value or one per rank")
     p.add_argument("--out", default="results/bench_planners")
@@ -111,34 +158,64 @@ def main(argv: Optional[List[str]] = None) -> dict:
     why = netns.unavailable()
     if why:
         raise SystemExit(f"megamoe bench planners: {why}")
-    inter = netns.parse_bandwidth(args.inter_node_bandwidth)
+    try:
+        inters = [netns.parse_bandwidth(b) for b in args.inter_node_bandwidth.split(",")]
+        batches = [int(b) for b in args.batch_size.split(",")]
+        aux = [float(a) for a in args.aux_loss.split(",")]
+    except ValueError as e:
+        raise SystemExit(f"megamoe bench planners: --inter-node-bandwidth / --batch-size / --aux-loss: {e}")
+    if args.rounds < 1 or min(batches) < 1:
+        raise SystemExit("megamoe bench planners: --rounds and --batch-size must be >= 1")
+    runs = args.runs.split(",")
+    unknown = [r for r in runs if r not in RUNS]
+    if unknown:
+        raise SystemExit(f"megamoe bench planners: --runs {','.join(unknown)}: unknown; known: {','.join(RUNS)}")
     intra = netns.parse_bandwidth(args.intra_node_bandwidth) if args.intra_node_bandwidth else None
     from ..cluster import cpu_caps
     shares = cpu_caps.parse_shares(args.cpu_share, 4)
     if shares and cpu_caps.unavailable():
         raise SystemExit(f"megamoe bench planners: --cpu-share {args.cpu_share}: {cpu_caps.unavailable()} "
                          "(--cpu-share off runs the ranks uncapped)")
-    print(f"[bench planners] {4 * args.batch_size * 64} tokens per step ({args.batch_size * 64} per rank), ranks "
-          + (f"capped at {shares[0]:g} core each (fixed-speed)" if shares else "uncapped (sharing the cores)"),
-          flush=True)
-    by_routing: Dict[str, list] = {}
-    for label, routing in (("skewed", SKEWED),) + ((("balanced", BALANCED),) if args.balanced else ()):
-        rows = []
-        for i, run in enumerate(args.runs.split(",")):
-            print(f"[bench planners] {label} {run} ...", flush=True)
-            row = run_one(run, routing, args.steps, args.capacity_factor, inter, intra,
-                          os.path.join(args.out, label, run), 29900 + 2 * i, args.batch_size, shares)
-            rows.append(row)
-            print(f"[bench planners] {label} {run}: step {row['step_seconds'] * 1e3:.0f} ms, moves {row['moves']:.0f}, "
-                  f"balance {row['balance_first']:.2f}->{row['balance_last']:.2f}, valid loss "
-                  f"{row['final_valid_loss']:.4f}", flush=True)
-        target = max(min(e["loss"] for e in r["evals"]) for r in rows)
-        for r in rows:
-            r["target_loss"], r["time_to_target"] = target, time_to(r["evals"], target)
-        by_routing[label] = rows
-    # the shape `megamoe reproduce flexmoe --cluster-results DIR` reads
-    results = {"setup": {"batch_size": args.batch_size, "tokens_per_rank": args.batch_size * 64,
-                         "cpu_shares": shares, "inter_node_bandwidth": inter}, "cluster": by_routing}
+    print(f"[bench planners] ranks " + (f"capped at {shares[0]:g} core each (fixed-speed)" if shares
+                                         else "uncapped (sharing the cores)")
+          + f"; {args.rounds} interleaved round(s) of {','.join(runs)} per cell", flush=True)
+    cells = []
+    for batch in batches:
+        for inter in inters:
+            routings = [(f"skewed aux {a:g}" if len(aux) > 1 else "skewed", _skewed(a), a) for a in aux]
+            routings += [("balanced", BALANCED, None)] if args.balanced else []
+            for label, routing, a in routings:
+                cell = {"tokens_per_rank": batch * 64, "batch_size": batch, "inter_node_bandwidth": inter,
+                        "routing": label, "aux_loss": a}
+                tag = f"t{batch * 64}_bw{inter / 1e6:g}_{label.replace(' ', '_')}"
+                per_run: Dict[str, list] = {r: [] for r in runs}
+                for k in range(args.rounds):
+                    done = []
+                    for i, run in enumerate(runs):
+                        print(f"[bench planners] {tag} round {k + 1} {run} ...", flush=True)
+                        row = run_one(run, routing, args.steps, args.capacity_factor, inter, intra,
+                                      os.path.join(args.out, tag, f"round{k}", run), 29900 + 2 * i, batch, shares)
+                        done.append(row)
+                        print(f"[bench planners] {tag} round {k + 1} {run}: step {row['step_seconds'] * 1e3:.0f} ms, "
+                              f"moves {row['moves']:.0f}, valid loss {row['final_valid_loss']:.4f}", flush=True)
+                    target = max(min(e["loss"] for e in r["evals"]) for r in done)
+                    for r in done:
+                        r["target_loss"], r["time_to_target"] = target, time_to(r["evals"], target)
+                        per_run[r["run"]].append(r)
+                rows = [_summarise(per_run[r]) for r in runs]
+                _predicted_vs_measured(rows)
+                cell["rows"] = rows
+                cells.append(cell)
+    # "cluster": the first cell's rows by routing, the shape `megamoe reproduce flexmoe --cluster-results` reads
+    first = cells[0]
+    results = {"setup": {"cpu_shares": shares, "rounds": args.rounds, "steps": args.steps,
+                         "capacity_factor": args.capacity_factor, "batch_size": first["batch_size"],
+                         "tokens_per_rank": first["tokens_per_rank"],
+                         "inter_node_bandwidth": first["inter_node_bandwidth"]},
+               "cells": cells,
+               "cluster": {c["routing"]: c["rows"] for c in cells
+                           if (c["batch_size"], c["inter_node_bandwidth"]) == (first["batch_size"],
+                                                                            first["inter_node_bandwidth"])}}
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "results.json"), "w") as f:
         json.dump(results, f, indent=1)
@@ -147,14 +224,22 @@ def main(argv: Optional[List[str]] = None) -> dict:
 
 
 def format_results(results: dict) -> str:
-    lines = [f"{'routing':<9} {'run':<9} {'step ms':>8} {'tok eff':>8} {'exp eff':>8} {'balance':>12} {'moves':>6} "
-             f"{'valid loss':>10} {'time to target':>14}"]
-    for label, rows in results["cluster"].items():
-        for r in rows:
-            ttt = f"{r['time_to_target']:.1f}s" if r.get("time_to_target") is not None else "not reached"
-            lines.append(f"{label:<9} {r['run']:<9} {r['step_seconds'] * 1e3:>8.0f} {r['token_efficiency']:>8.3f} "
-                         f"{r['expert_efficiency']:>8.3f} {r['balance_first']:>5.2f}->{r['balance_last']:<5.2f} "
-                         f"{r['moves']:>6.0f} {r['final_valid_loss']:>10.4f} {ttt:>14}")
+    lines = [f"{'tokens':>6} {'inter':>7} {'routing':<15} {'run':<9} {'step ms':>8} {'measured':>8} {'predicted':>9} "
+             f"{'tok eff':>7} {'exp eff':>7} {'moves':>6} {'MB moved':>8} {'valid loss':>10} {'to target':>9}"]
+    cells = results.get("cells") or [{"tokens_per_rank": results.get("setup", {}).get("tokens_per_rank", 0),
+                                       "inter_node_bandwidth": results.get("setup", {}).get("inter_node_bandwidth", 0),
+                                       "routing": label, "rows": rows}
+                                      for label, rows in results["cluster"].items()]
+    for c in cells:
+        for r in c["rows"]:
+            ttt = f"{r['time_to_target']:.1f}s" if r.get("time_to_target") is not None else "-"
+            ms = r.get("measured_speedup")
+            ps = r.get("predicted_speedup")
+            lines.append(f"{c['tokens_per_rank']:>6} {(c['inter_node_bandwidth'] or 0) / 1e6:>4.0f}MB/s "
+                         f"{c['routing']:<15} {r['run']:<9} {r['step_seconds'] * 1e3:>8.0f} "
+                         f"{(f'{ms:.2f}x' if ms else '-'):>8} {(f'{ps:.2f}x' if ps else '-'):>9} "
+                         f"{r['token_efficiency']:>7.3f} {r['expert_efficiency']:>7.3f} {r['moves']:>6.0f} "
+                         f"{r.get('bytes_moved_total', 0.0) / 1e6:>8.1f} {r['final_valid_loss']:>10.4f} {ttt:>9}")
     return "\n".join(lines)
 
 
