@@ -2,7 +2,8 @@
 (patches/pretrain_gpt.py.<tag>.patch) and the no-patch launcher (``python -m megamoe_plugin.megatron_adapter.launch``),
 each on gloo processes (torchrun) with a tiny MoE GPT on mock data: EP=2 with the test placement policy, TP=2 +
 sequence parallel, PP=2, bad flag combinations refused at argument validation, and ``--moe-plugin-placement flexmoe``
-in Megatron-LM's loop and checkpoints (same training, checkpoint after moves loads at EP=1).
+in Megatron-LM's loop and checkpoints (same training, checkpoint after moves loads at EP=1), with Megatron's
+Adam and with its distributed optimizer.
 
 Checkouts: ``MEGATRON_LM_DIR`` (one path, or several separated by ``os.pathsep``) when set, else every
 ``../shared/megatron-lm/<tag>/`` beside the repository (Megatron-LM core_v0.16.1 and core_v0.19.0 on this project's
@@ -260,11 +261,20 @@ def _slow_compute_profile(path):
     return str(path)
 
 
-def test_flexmoe_placement_in_megatron_lm_same_training_and_checkpoint(checkout, tmp_path):
+# Megatron's distributed optimizer: EP=2 on 4 processes shards each expert's fp32 main copy and Adam moments over an
+# expert-data-parallel group of 2; its fully reshardable checkpoint format saves them by logical expert id
+DIST_OPT = ["--use-distributed-optimizer", "--dist-ckpt-optim-fully-reshardable"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("optimizer", ["adam", "distributed"])
+def test_flexmoe_placement_in_megatron_lm_same_training_and_checkpoint(checkout, tmp_path, optimizer):
     """The patched pretrain_gpt.py with --moe-plugin-placement flexmoe: experts move (the summary line says so), the
     losses are those of the run without placement, and the torch_dist checkpoint written after the moves (experts
-    and Adam state by logical id) loads at EP=1 in one process exactly like the checkpoint of the run without
-    placement. Routing is deterministic (second expert always kept); the RNG state is per layout, not loaded."""
+    and Adam state by logical id) loads at EP=1 exactly like the checkpoint of the run without placement. With
+    ``distributed``, Megatron's distributed optimizer shards the expert state over 2 expert-data-parallel ranks
+    (EP=2 on 4 processes; the resume at EP=1 on 2): each move carries each rank's part of the expert's main copy
+    and moments. Routing is deterministic (second expert always kept); the RNG state is per layout, not loaded."""
     root = _copy_checkout(checkout, tmp_path / "Megatron-LM")
     _apply_patch(root)
     env = _env(tmp_path, root, tmp_path)
@@ -273,14 +283,20 @@ def test_flexmoe_placement_in_megatron_lm_same_training_and_checkpoint(checkout,
     base = CPU_ARGS + TINY_ARGS + ["--num-experts", "4", "--moe-router-topk", "2", "--moe-plugin", "--moe-plugin-gate",
                                    "gshard", "--moe-plugin-second-expert-policy", "all", "--log-interval", "1"]
     placement = ["--moe-plugin-placement", "flexmoe", "--moe-plugin-placement-profile", profile,
-                 "--moe-plugin-placement-threshold", "1.0", "--moe-plugin-placement-interval", "1"]
+                 "--moe-plugin-placement-threshold", "1.0", "--moe-plugin-placement-interval", "1",
+                 "--moe-plugin-placement-guard", "-1"]
     base[base.index("--train-iters") + 1] = str(ITERS + 2)     # the LR schedule's length; the EP=2 runs stop at ITERS
+    nproc, resume_nproc = 2, 1
+    if optimizer == "distributed":
+        base[base.index("--global-batch-size") + 1] = "8"         # micro-batch 2 x data-parallel 4
+        base += DIST_OPT
+        nproc, resume_nproc = 4, 2
     ep2 = ["--expert-model-parallel-size", "2"]
     runs = {}
     for name, extra in (("none", []), ("flexmoe", placement)):
         ck = str(tmp_path / f"ck_{name}")
         rc, out = _torchrun([script] + base + ep2 + extra + ["--save", ck, "--save-interval", str(ITERS),
-                                                             "--exit-interval", str(ITERS)], env, tmp_path)
+                                                             "--exit-interval", str(ITERS)], env, tmp_path, nproc)
         assert rc == 0 and "successfully saved checkpoint" in out, _tail(out)
         losses = {int(i): float(v) for i, v in LM_LOSS.findall(out)}
         assert sorted(losses) == list(range(1, ITERS + 1)), _tail(out)
@@ -290,11 +306,11 @@ def test_flexmoe_placement_in_megatron_lm_same_training_and_checkpoint(checkout,
     assert "placement moves" not in runs["none"][1]
     for it, v in runs["none"][0].items():
         assert abs(runs["flexmoe"][0][it] - v) <= 1e-5 * abs(v), (runs["flexmoe"][0], runs["none"][0])
-    # both checkpoints resumed for 2 more steps at EP=1 in one process: the same losses
+    # both checkpoints resumed for 2 more steps at EP=1: the same losses
     resumed = {}
     for name in ("none", "flexmoe"):
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1", script] + base \
-            + ["--expert-model-parallel-size", "1", "--load", runs[name][2], "--no-load-rng"]
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(resume_nproc),
+               script] + base + ["--expert-model-parallel-size", "1", "--load", runs[name][2], "--no-load-rng"]
         p = subprocess.run(cmd, env=env, cwd=str(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                            timeout=TIMEOUT)
         assert p.returncode == 0, _tail(p.stdout)
@@ -304,14 +320,17 @@ def test_flexmoe_placement_in_megatron_lm_same_training_and_checkpoint(checkout,
         assert abs(resumed["flexmoe"][it] - v) <= 1e-5 * abs(v), resumed
 
 
-def test_distributed_optimizer_with_placement_fails_at_validation(checkout, tmp_path):
-    """--use-distributed-optimizer shards the optimizer state the placement runtime moves row by row: refused after
-    Megatron's validate_args, both flags named, before any model is built."""
+def test_distributed_optimizer_placement_checkpoint_format_fails_at_validation(checkout, tmp_path):
+    """With --use-distributed-optimizer, a moving placement that saves checkpoints needs the distributed optimizer's
+    fully reshardable format (its default stores flat buffers in this run's slot layout): refused after Megatron's
+    validate_args, the flags named, before any model is built."""
     root = _copy_checkout(checkout, tmp_path / "Megatron-LM")
     rc, out = _torchrun(["-m", "megamoe_plugin.megatron_adapter.launch", os.path.join(root, "pretrain_gpt.py")]
                         + CPU_ARGS + TINY_ARGS + MOE_ARGS + ["--use-distributed-optimizer", "--moe-plugin-placement",
-                                                             "flexmoe"], _env(tmp_path, root, tmp_path), tmp_path)
+                                                             "flexmoe", "--save", str(tmp_path / "ck"),
+                                                             "--save-interval", "2"],
+                        _env(tmp_path, root, tmp_path), tmp_path)
     assert rc != 0, _tail(out)
-    assert re.search(r"error: megamoe-plugin: --use-distributed-optimizer with --moe-plugin-placement=flexmoe", out), \
-        _tail(out)
+    assert re.search(r"error: megamoe-plugin: --use-distributed-optimizer with --moe-plugin-placement=flexmoe and "
+                     r"--save/--load: .*--dist-ckpt-optim-fully-reshardable", out), _tail(out)
     assert "building GPT model" not in out, _tail(out)

@@ -150,21 +150,35 @@ def test_flexmoe_without_spare_slots_fails_at_validation():
     assert _parse(["--moe-plugin-placement", "flexmoe"]).moe_plugin_config.slots_per_rank == 5
 
 
-@pytest.mark.parametrize("placement", ["flexmoe", "shadow"])
-def test_distributed_optimizer_with_placement_fails_at_validation(placement):
+@pytest.mark.parametrize("placement", ["flexmoe", "eplb", "shadow"])
+def test_distributed_optimizer_with_placement_validation(placement, tmp_path):
+    """Placement runs with Megatron's distributed optimizer; what it cannot serve is refused with the flags named:
+    --overlap-param-gather (stale parameters at a move) and checkpoints in a format that stores the optimizer's flat
+    buffers in the run's slot layout. Shadowing moves nothing between steps: no condition."""
     from megamoe_plugin.megatron_adapter.args import validate_moe_plugin_args
-    args = _parse(["--moe-plugin-placement", placement])
-    args.use_distributed_optimizer = True            # Megatron-LM's flag (the example trainer has no such flag)
-    with pytest.raises(ConfigError) as err:
-        validate_moe_plugin_args(args)
-    assert "--use-distributed-optimizer" in str(err.value) and "--moe-plugin-placement" in str(err.value), err.value
-    args = _parse(["--moe-plugin-placement-spare-slots", "1"])
-    args.use_distributed_optimizer = True
-    with pytest.raises(ConfigError, match="--moe-plugin-placement-spare-slots"):
-        validate_moe_plugin_args(args)
-    args = _parse([])                                # no placement: the distributed optimizer is fine
-    args.use_distributed_optimizer = True
-    assert validate_moe_plugin_args(args) is not None
+
+    def args_with(**kw):
+        args = _parse(["--moe-plugin-placement", placement])
+        args.use_distributed_optimizer = True        # Megatron-LM's flags (the example trainer has no such flags)
+        for k, v in kw.items():
+            setattr(args, k, v)
+        return args
+    assert validate_moe_plugin_args(args_with()) is not None
+    ck = str(tmp_path / "ck")
+    refused = [dict(overlap_param_gather=True), dict(save=ck), dict(load=ck, dist_ckpt_optim_fully_reshardable=False),
+               dict(save=ck, dist_ckpt_optim_fully_reshardable=True, ckpt_format="torch")]
+    for kw in refused:
+        if placement == "shadow":
+            assert validate_moe_plugin_args(args_with(**kw)) is not None
+            continue
+        with pytest.raises(ConfigError) as err:
+            validate_moe_plugin_args(args_with(**kw))
+        text = str(err.value)
+        assert f"--use-distributed-optimizer with --moe-plugin-placement={placement}" in text, text
+        assert ("--overlap-param-gather" in text) if "overlap_param_gather" in kw else \
+            ("--dist-ckpt-optim-fully-reshardable" in text), text
+    ok = args_with(save=ck, dist_ckpt_optim_fully_reshardable=True, ckpt_format="torch_dist")
+    assert validate_moe_plugin_args(ok) is not None
 
 
 def test_placement_metrics_to_writers_and_progress_line():

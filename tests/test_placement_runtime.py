@@ -298,8 +298,56 @@ def test_param_state_tensors_follow_wrappers_and_masters():
 
     class DistributedOptimizer:
         optimizer = inner
-    with pytest.raises(ValueError, match="use-distributed-optimizer"):
+        model_param_group_index_map = {}
+        ddp_config = type("DDPConfig", (), {"overlap_param_gather": True})()
+
+        def _get_model_param_range_map(self, param):
+            raise KeyError(param)
+    with pytest.raises(ValueError, match="overlap-param-gather"):
         check_optimizer_supported(DistributedOptimizer())
+
+
+def test_slot_state_views_of_a_sharding_optimizer():
+    """Megatron's distributed optimizer holds, on each data-parallel rank, one flat range of a parameter: its fp32
+    main copy and that copy's Adam state. A slot's views are the part of the slot's flat range in the rank's range,
+    by hand: a [3, 2, 2] bank (4 elements per slot) of which this rank holds flat elements 3..9."""
+    from megamoe_plugin.placement.optim_state import sharded_range, slot_state_views
+
+    bank = torch.nn.Parameter(torch.arange(12.0).reshape(3, 2, 2))
+    main = torch.nn.Parameter(bank.detach().reshape(-1)[3:10].clone())
+    inner = torch.optim.Adam([main], lr=0.0)          # state without changing the values
+    main.grad = torch.ones_like(main)
+    inner.step()
+
+    class Range:
+        start, end = 3, 10
+
+    class DistributedOptimizer:
+        optimizer = inner
+        model_param_group_index_map = {bank: (0, 0)}
+        ddp_config = type("DDPConfig", (), {"overlap_param_gather": False})()
+
+        def _get_model_param_range_map(self, param):
+            return {"param": Range()}
+
+    class Chained:
+        chained_optimizers = [DistributedOptimizer()]
+
+    check_optimizer_supported(Chained())
+    assert sharded_range(Chained(), bank)[1:] == (3, 10)
+    state = inner.state[main]
+    views = slot_state_views(Chained(), bank, 0)          # slot 0 is flat 0..3: this rank holds element 3
+    assert [v.numel() for v in views] == [1, 1, 1]
+    assert float(views[0]) == 3.0 and views[0].data_ptr() == main.data_ptr()
+    assert views[1].data_ptr() == state["exp_avg"].data_ptr()          # exp_avg, then exp_avg_sq (by key)
+    assert views[2].data_ptr() == state["exp_avg_sq"].data_ptr()
+    views = slot_state_views(Chained(), bank, 1)          # slot 1 is flat 4..7: shard elements 1..4, all of it
+    assert [v.numel() for v in views] == [4, 4, 4] and views[0].tolist() == [4.0, 5.0, 6.0, 7.0]
+    views = slot_state_views(Chained(), bank, 2)          # slot 2 is flat 8..11: shard elements 5..6
+    assert views[0].tolist() == [8.0, 9.0]
+    views[1].fill_(7.0)                                   # views write through to the optimizer's state
+    assert state["exp_avg"][5:7].tolist() == [7.0, 7.0] and state["exp_avg"][4] != 7.0
+    assert slot_state_views(None, bank, 2) == []
 
 
 # --- the project's own trainer (megamoe train) with placement: 2 EP groups x 2 ranks --------------------------------

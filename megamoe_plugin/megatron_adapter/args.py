@@ -182,6 +182,34 @@ def config_from_megatron(src, world_size: Optional[int] = None, **overrides) -> 
         raise _translate(e) from None
 
 
+def _check_distributed_optimizer_placement(args, cfg: MoEConfig) -> None:
+    """Placement with Megatron's distributed optimizer: a move carries the part of an expert's fp32 main copy and
+    Adam moments each data-parallel rank holds (placement/optim_state.py), so training works with it. Two things
+    around it do not:
+
+    * ``--overlap-param-gather`` all-gathers the updated parameters only at the next forward, so a move between
+      steps would send stale weights;
+    * checkpoints: the experts' weights are saved by logical expert id and load back into the first placement,
+      so the optimizer state must be saved the same way, through the model's sharded tensors. Only the
+      distributed optimizer's ``fully_reshardable`` format (``--dist-ckpt-optim-fully-reshardable``, with
+      ``--ckpt-format torch_dist``) does that; its default ``dp_reshardable`` and the legacy ``--ckpt-format
+      torch`` store its flat buffers in this run's slot layout, which would load into the wrong experts."""
+    if cfg.slots_per_rank <= cfg.num_local_experts:
+        return                   # shadowing copies experts inside the step and moves nothing between steps
+    name = f"--use-distributed-optimizer with --moe-plugin-placement={cfg.placement}"
+    if _get(args, "overlap_param_gather", default=False):
+        raise ConfigError(f"megamoe-plugin: {name} and --overlap-param-gather: the parameters are all-gathered "
+                          "only at the next forward, so experts moved between steps would carry stale weights; "
+                          "drop --overlap-param-gather")
+    saves = _get(args, "save", default=None) or _get(args, "load", default=None)
+    fmt = _get(args, "ckpt_format", default="torch_dist")
+    if saves and (fmt != "torch_dist" or not _get(args, "dist_ckpt_optim_fully_reshardable", default=False)):
+        raise ConfigError(f"megamoe-plugin: {name} and --save/--load: experts are checkpointed by logical expert "
+                          "id, and only the distributed optimizer's fully reshardable format saves their optimizer "
+                          f"state the same way; add --dist-ckpt-optim-fully-reshardable (--ckpt-format={fmt} "
+                          "must be torch_dist)")
+
+
 def validate_moe_plugin_args(args) -> Optional[MoEConfig]:
     """Check the plugin flags against Megatron's; with --moe-plugin, store and return the MoEConfig
     (``args.moe_plugin_config``). Call after Megatron's own argument validation, before building the model."""
@@ -218,19 +246,8 @@ def validate_moe_plugin_args(args) -> Optional[MoEConfig]:
             raise ConfigError(f"megamoe-plugin: --moe-plugin-gate-sync={cfg.gate_sync} with --use-distributed-optimizer: "
                               "its parameter shards are all-gathered after every step, which would give every rank "
                               "one owner's gate; drop one of the two")
-    if _get(args, "use_distributed_optimizer", default=False):
-        # the placement runtime moves an expert's rows of the Adam moments and fp32 master weights (placement/
-        # runtime.py); the distributed optimizer keeps them flattened and sharded over data-parallel ranks
-        if cfg.placement in MOVING_PLACEMENTS:
-            raise ConfigError(f"megamoe-plugin: --use-distributed-optimizer with --moe-plugin-placement="
-                              f"{cfg.placement}: the placement runtime moves experts' rows of the optimizer state, "
-                              "which the distributed optimizer shards over data-parallel ranks; drop "
-                              "--use-distributed-optimizer or use --moe-plugin-placement none")
-        if cfg.slots_per_rank > cfg.num_local_experts:
-            raise ConfigError(f"megamoe-plugin: --use-distributed-optimizer with "
-                              f"--moe-plugin-placement-spare-slots={cfg.placement_spare_slots}: spare vExpert slots "
-                              "are checkpointed by logical expert id, which the distributed optimizer's flattened "
-                              "state cannot follow; drop one of the two")
+    if _get(args, "use_distributed_optimizer", default=False) and cfg.placement in MOVING_PLACEMENTS:
+        _check_distributed_optimizer_placement(args, cfg)
     from ..gates import gate_warnings
     from ..notices import warn_once
     from ..placement import build_placement_policy

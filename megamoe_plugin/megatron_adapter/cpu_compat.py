@@ -3,7 +3,7 @@
 megatron-core (checked against 0.16.1; the 0.19 names are guarded with ``hasattr``)
 assumes CUDA in a handful of places, lettered (a)-(h) below and in the code: the RNG tracker,
 ``torch.cuda`` used as a device, causal masks, the dispatcher's stream, ``te_general_gemm``, split sizes, layer norms
-under sequence parallelism, and the optimizer's CUDA tensors.  ``install_cpu_shims()`` patches them *at runtime, inside this process*;
+under sequence parallelism, and the optimizers' CUDA tensors (the distributed optimizer's parameter types included).  ``install_cpu_shims()`` patches them *at runtime, inside this process*;
 nothing in site-packages is edited.  It is idempotent and does nothing when
 ``torch.cuda.is_available()``.
 
@@ -634,6 +634,79 @@ def _shim_cuda_methods() -> None:
     _APPLIED.append("h:Tensor.cuda / Module.cuda stay on the CPU (torch without CUDA)")
 
 
+_CUDA_TYPE_NAMES = {"torch.FloatTensor": "torch.cuda.FloatTensor", "torch.HalfTensor": "torch.cuda.HalfTensor",
+                    "torch.BFloat16Tensor": "torch.cuda.BFloat16Tensor"}
+
+
+def _cuda_type_name(param, name: str):
+    """``param.type`` that names the CUDA tensor type when asked with no arguments (a conversion is the real one)."""
+    def type_(*args, **kwargs):
+        return name if not args and not kwargs else torch.Tensor.type(param, *args, **kwargs)
+    return type_
+
+
+def _shim_distributed_optimizer() -> None:
+    """The distributed optimizer sorts its parameters by ``model_param.type()`` against the CUDA type names and
+    refuses any other. While it builds its groups, each CPU parameter answers its CUDA twin's name (an attribute
+    on the parameter, removed right after); everything else it does works on CPU tensors with gloo."""
+    mod = _import("megatron.core.optimizer.distrib_optimizer")
+    cls = getattr(mod, "DistributedOptimizer", None)
+    original = cls.__dict__.get("_build_model_and_main_param_groups") if cls is not None else None
+    if not isinstance(original, classmethod) or getattr(original.__func__, "_megamoe_wrapped", False):
+        return
+    build = original.__func__
+
+    @functools.wraps(build)
+    def _cpu_build_groups(klass, gbuf_ranges, param_gbuf_map, *args, **kwargs):
+        tagged = []
+        for param in param_gbuf_map:
+            name = _CUDA_TYPE_NAMES.get(torch.Tensor.type(param))
+            if name is not None and "type" not in param.__dict__:
+                param.type = _cuda_type_name(param, name)
+                tagged.append(param)
+        try:
+            return build(klass, gbuf_ranges, param_gbuf_map, *args, **kwargs)
+        finally:
+            for param in tagged:
+                del param.type
+
+    _cpu_build_groups._megamoe_wrapped = True
+    cls._build_model_and_main_param_groups = classmethod(_cpu_build_groups)
+    _APPLIED.append("h:DistributedOptimizer parameter types on CPU")
+
+    # Without Apex or Transformer Engine (always so on CPU) its state_dict() reads Adam's "step" from the inner
+    # optimizer's state, which a fresh optimizer about to load a checkpoint does not have yet: give it the dummy
+    # state Megatron itself creates for its FSDP checkpoints (replaced in place by the load).
+    sharded = cls.__dict__.get("sharded_state_dict")
+    dummy = getattr(cls, "_init_optimizer_states_with_dummy_values", None)
+    if sharded is None or dummy is None or getattr(sharded, "_megamoe_wrapped", False):
+        return
+
+    setter = cls.__dict__.get("_set_main_param_and_optimizer_states")
+    if setter is not None:
+        @functools.wraps(setter)
+        def _cpu_set_states(self, model_param, tensors):
+            # torch's Adam keeps "step" per parameter; the checkpoint has it per group (restored from there)
+            group, order = self.model_param_group_index_map[model_param]
+            state = self.optimizer.state.get(self.optimizer.param_groups[group]["params"][order]) or {}
+            if "step" in state and "step" not in tensors:
+                tensors = dict(tensors, step=state["step"])
+            return setter(self, model_param, tensors)
+        cls._set_main_param_and_optimizer_states = _cpu_set_states
+
+    @functools.wraps(sharded)
+    def _cpu_sharded_state_dict(self, *args, **kwargs):
+        loading = kwargs.get("is_loading", args[1] if len(args) > 1 else False)
+        if loading and not any(self.optimizer.state.get(p) for g in self.optimizer.param_groups
+                               for p in g["params"]):
+            self._init_optimizer_states_with_dummy_values()
+        return sharded(self, *args, **kwargs)
+
+    _cpu_sharded_state_dict._megamoe_wrapped = True
+    cls.sharded_state_dict = _cpu_sharded_state_dict
+    _APPLIED.append("h:DistributedOptimizer loads a checkpoint without Apex / Transformer Engine")
+
+
 def _shim_clip_grads() -> None:
     cg = _import("megatron.core.optimizer.clip_grads")
     if cg is None:
@@ -718,6 +791,7 @@ def install_cpu_shims() -> bool:
         _shim_torch_norm()  # (g)
         _shim_clip_grads()  # (h)
         _shim_cuda_methods()  # (h)
+        _shim_distributed_optimizer()  # (h)
         if _IMPORT_HOOK is None:
             _IMPORT_HOOK = _MegatronImportHook()
             sys.meta_path.insert(0, _IMPORT_HOOK)

@@ -40,6 +40,7 @@ from ..config import MoEConfig
 from ..placement import AfterStepHook
 from ..stats import TraceRecorder
 from ..layer import find_moe_layers
+from ..placement.optim_state import sharded_range
 from .compat import grad_norm_method, wrap_grads_for_norm
 from .layer import PluginMoELayer, plugin_stats
 from ..dynamic.runtime import DynamicRuntime, dynamic_enabled
@@ -148,27 +149,38 @@ def weight_replica_grad_norm(layers: List[PluginMoELayer], optimizer) -> int:
     grad-norm gradient collector (compat.GRAD_NORM_METHODS) of each (chained) optimizer that holds expert-bank parameters (or their fp32
     master copies). Idempotent; returns how many optimizers were wrapped by this call."""
     banks: Dict[int, object] = {}            # id(bank parameter) -> its layer's PlacementRuntime
+    params = []
     for layer in layers:
         rt = layer.plan.placement
         if rt is None or layer.experts.bank.w1.shape[0] == layer.experts.num_local_experts:
             continue                         # no spare slot: no replica can ever exist
         for p in layer.experts.bank.parameters():
             banks[id(p)] = rt
+            params.append(p)
     if not banks or optimizer is None:
         return 0
     wrapped = 0
     for opt in _inner_optimizers(optimizer):
         if getattr(opt, "_megamoe_grad_norm_weighted", False) or grad_norm_method(opt) is None:
             continue
-        table = {}                           # id(parameter the optimizer updates) -> runtime
+        # id(parameter the optimizer updates) -> (runtime, None) for whole [slots, ...] tensors, or (runtime,
+        # (first flat element, elements per slot)) for a distributed optimizer's 1-D shard of one
+        table = {}
         for g16, g32 in zip(getattr(opt, "float16_groups", None) or [],
                             getattr(opt, "fp32_from_float16_groups", None) or []):
             for p16, p32 in zip(g16, g32):
                 if id(p16) in banks:
-                    table[id(p32)] = banks[id(p16)]
+                    table[id(p32)] = (banks[id(p16)], None)
         for p in opt.get_parameters():
             if id(p) in banks:
-                table[id(p)] = banks[id(p)]
+                table[id(p)] = (banks[id(p)], None)
+        for p in params:
+            held = sharded_range(opt, p)
+            if held is not None:
+                level, start, _ = held
+                group, order = level.model_param_group_index_map[p]
+                main = level.optimizer.param_groups[group]["params"][order]
+                table[id(main)] = (banks[id(p)], (start, p[0].numel()))
         if not table:
             continue
 
@@ -184,11 +196,18 @@ def weight_replica_grad_norm(layers: List[PluginMoELayer], optimizer) -> int:
                 return grads
             out = []
             for g in grads:
-                rt = by_grad.get(id(g))
+                rt, shard = by_grad.get(id(g), (None, None))
                 if rt is not None:
                     w = rt.slot_weights()
                     if bool(((w > 0) & (w < 1)).any()):           # some expert has replicas right now
-                        g = g * w.sqrt().to(device=g.device, dtype=g.dtype).view(-1, *([1] * (g.dim() - 1)))
+                        w = w.sqrt().to(device=g.device, dtype=g.dtype)
+                        if shard is None:
+                            g = g * w.view(-1, *([1] * (g.dim() - 1)))
+                        else:                                   # element i of the shard is in slot (start + i) // n
+                            start, n = shard
+                            slot = torch.div(torch.arange(start, start + g.numel(), device=g.device), n,
+                                             rounding_mode="floor")
+                            g = g * w[slot].view_as(g)
                 out.append(g)
             return out
 

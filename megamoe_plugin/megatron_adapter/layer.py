@@ -154,7 +154,8 @@ class PluginExperts(MegatronModule):
         (the owner replica is the main one; free slots are not saved), and its merge_fn puts the loaded rows back
         into [slots, ...] under the placement current at load time (zeros for free slots). Megatron's optimizer
         ``sharded_state_dict`` replaces the factory's data with each optimizer-state tensor (Adam moments, fp32
-        master weights), so they are saved and loaded by logical id the same way."""
+        master weights), so they are saved and loaded by logical id the same way; the distributed optimizer does so
+        in its ``fully_reshardable`` format (whole parameter-shaped tensors gathered over data-parallel ranks)."""
         from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
         import torch.distributed as dist
 
@@ -177,8 +178,9 @@ class PluginExperts(MegatronModule):
 
         def build_fn(key, data, replica_id, flattened_range):
             if flattened_range is not None:
-                raise NotImplementedError("megamoe-plugin: experts with spare vExpert slots cannot be checkpointed "
-                                          "by a flattening optimizer (--use-distributed-optimizer)")
+                raise NotImplementedError("megamoe-plugin: experts with spare vExpert slots are checkpointed by "
+                                          "logical id; the distributed optimizer's flat per-rank shards cannot be "
+                                          "(use --dist-ckpt-optim-fully-reshardable)")
             return {f"slot{i}": ShardedTensor.from_rank_offsets(
                         key, data.detach()[i:i + 1], *sharded_offsets, (axis, e, num_experts),
                         replica_id=(replica_id[0], replica_id[1] if owner[e] else 1, replica_id[2]),

@@ -12,16 +12,22 @@ for a model parameter without importing any trainer, by the shapes trainers' opt
 * fp32 master weights: Megatron's ``float16_groups`` / ``fp32_from_float16_groups``, fairseq's (non-flat)
   ``fp16_params`` / ``fp32_params``; the master is returned first and its own optimizer state follows.
 
-Optimizers that shard or flatten the state across ranks (Megatron's distributed optimizer, fairseq's flat fp32
-``FP16Optimizer``) are refused by name: one expert's rows are not a slice of a local tensor there.
+* Megatron's distributed optimizer (``DistributedOptimizer``, ZeRO-1 over the (expert-)data-parallel group):
+  each rank holds one contiguous range of every parameter's flattened elements (``_get_model_param_range_map``):
+  its fp32 main copy and the optimizer state of that range. An expert slot is the flat range
+  ``[slot * n, (slot + 1) * n)`` of the bank parameter; ``slot_state_views`` returns the part of it this rank
+  holds. The ranks of an expert-parallel group share their data-parallel rank and hold identical layers, so the
+  two ends of a move hold the same part of the slot: a move sends it point to point as it sends a row.
+
+fairseq's flat fp32 ``FP16Optimizer`` is refused by name: one expert's rows are not a slice of a local tensor there.
 """
 from __future__ import annotations
 
-from typing import Iterator, List, Optional
+from typing import Iterator, List, Optional, Tuple
 
 import torch
 
-__all__ = ["param_state_tensors", "check_optimizer_supported"]
+__all__ = ["param_state_tensors", "slot_state_views", "check_optimizer_supported", "sharded_range"]
 
 def _levels(optimizer) -> Iterator[object]:
     """The optimizer and every wrapper/inner optimizer below it, depth first through chains."""
@@ -46,10 +52,9 @@ def _levels(optimizer) -> Iterator[object]:
 def check_optimizer_supported(optimizer) -> None:
     """Raise a clear error for optimizers whose expert state cannot be moved row by row."""
     for o in _levels(optimizer):
-        name = type(o).__name__
-        if name == "DistributedOptimizer":
-            raise ValueError("megamoe-plugin placement: Megatron's distributed optimizer shards expert state over "
-                             "ranks (drop --use-distributed-optimizer to move experts)")
+        if _is_sharding(o) and getattr(getattr(o, "ddp_config", None), "overlap_param_gather", False):
+            raise ValueError("megamoe-plugin placement: --overlap-param-gather leaves the model's parameters stale "
+                             "until the next forward, when experts move; drop --overlap-param-gather to move experts")
         fp32 = getattr(o, "fp32_params", None)
         if torch.is_tensor(fp32) or (isinstance(fp32, dict) and fp32):
             raise ValueError("megamoe-plugin placement: fairseq's FP16Optimizer keeps one flat fp32 copy of all "
@@ -70,6 +75,45 @@ def _master_of(level, param) -> Optional[torch.Tensor]:
             if p16 is param:
                 return p32
     return None
+
+
+def _is_sharding(level) -> bool:
+    """Megatron's distributed optimizer (by its interface: parameter ranges and main-parameter groups)."""
+    return hasattr(level, "model_param_group_index_map") and hasattr(level, "_get_model_param_range_map")
+
+
+def sharded_range(optimizer, param) -> Optional[Tuple[object, int, int]]:
+    """(the optimizer level, start, end) of ``param``'s flat elements that a sharding optimizer keeps on this rank;
+    None when no sharding optimizer holds ``param``."""
+    for level in _levels(optimizer):
+        if _is_sharding(level) and param in getattr(level, "model_param_group_index_map", {}):
+            r = level._get_model_param_range_map(param)["param"]
+            return level, int(r.start), int(r.end)
+    return None
+
+
+def _sharded_state(level, param) -> List[torch.Tensor]:
+    """The distributed optimizer's 1-D tensors for this rank's range of ``param``: its main copy, then the optimizer
+    state of that copy, by state key."""
+    group, order = level.model_param_group_index_map[param]
+    main = level.optimizer.param_groups[group]["params"][order]
+    state = level.optimizer.state.get(main) or {}
+    return [main] + [state[k] for k in sorted(state, key=str) if torch.is_tensor(state[k])
+                     and state[k].shape == main.shape]
+
+
+def slot_state_views(optimizer, param: torch.Tensor, slot: int) -> List[torch.Tensor]:
+    """Views of everything the optimizer keeps for row ``slot`` of ``param`` on this rank (``param_state_tensors``
+    rows; with a sharding optimizer, the part of the slot's flat range in this rank's shard, possibly none)."""
+    held = sharded_range(optimizer, param) if optimizer is not None else None
+    if held is None:
+        return [t[slot] for t in param_state_tensors(optimizer, param)]
+    level, start, end = held
+    n = param[0].numel()
+    lo, hi = max(start, slot * n), min(end, (slot + 1) * n)
+    if lo >= hi:
+        return []
+    return [t[lo - start:hi - start] for t in _sharded_state(level, param)]
 
 
 def param_state_tensors(optimizer, param: torch.Tensor) -> List[torch.Tensor]:

@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 
 from ..parallel import ExpertParallel
-from .optim_state import param_state_tensors
+from .optim_state import slot_state_views
 from .state import Move, PlacementError, PlacementState
 
 __all__ = ["PlacementRuntime", "GroupCache", "SlotRouting", "apply_placement", "group_cache"]
@@ -363,7 +363,7 @@ class PlacementRuntime:
         out = []
         for p in params:
             out.append(p.data[slot])
-            out += [t[slot] for t in param_state_tensors(optimizer, p)]
+            out += slot_state_views(optimizer, p, slot)
         return out
 
     # --- checkpoints by logical id -----------------------------------------------------------------------------
