@@ -125,6 +125,10 @@ class MoEConfig:
                                         "change's own time over the interval) are at most this fraction slower "
                                         "than those before it; otherwise undo it and pause the policy (2, 4, ... "
                                         "runs). Negative: keep every change the cost model proposes.")
+    placement_prefetch: bool = _opt(True, "shadow: broadcast the shadowed experts' copies for the next step "
+                                          "asynchronously right after the optimizer step (on a process group of "
+                                          "their own), overlapping the next batch and the layers below the MoE layer, "
+                                          "instead of synchronously in its forward.")
     placement_profile: str = _opt("auto", "Hardware profile whose cost model the placement policies consult: auto "
                                           "(calibrate the running job's own process groups at the first placement "
                                           "run, cached per cluster, refreshed when step times drift from the "

@@ -228,12 +228,16 @@ def _policy_run(rank, world, policy, profile):
     opt_ref = torch.optim.Adam(ref.parameters(), lr=1e-2)
     opt_mov = torch.optim.Adam(moved.parameters(), lr=1e-2)
     hook = AfterStepHook(cfg)
-    ever_shadowed = set()
+    ever_shadowed, prefetched = set(), 0
     for step in range(5):
         x, target = _data(rank, step)
+        pre = moved.plan.placement._prefetch          # the shadow copies broadcast after the last step, if any
         l_ref = _train_step(ref, opt_ref, x, target)
         l_mov = _train_step(moved, opt_mov, x, target)
         assert torch.allclose(l_ref, l_mov, rtol=1e-5, atol=1e-6), (step, l_ref.item(), l_mov.item())
+        if pre is not None:                           # the forward took the prefetched copies (waited on each)
+            assert pre.entries and all(w is None for w in pre.works), pre.works
+            prefetched += 1
         assert hook.run(moved, opt_mov, step + 1)
         if step == 0:
             first = dict(hook.policy.metrics)
@@ -250,6 +254,7 @@ def _policy_run(rank, world, policy, profile):
         assert first["balance_ratio_next"] < first["balance_ratio"]
     else:
         assert 0 in ever_shadowed and hook.policy.total_moves == 0, (ever_shadowed, m)   # the hot expert
+        assert prefetched > 0 and m["shadow_wait_s"] >= 0.0, (prefetched, m)
     assert m["token_efficiency"] == 1.0 and 0 < m["expert_efficiency"] <= 1.0
 
 

@@ -6,7 +6,9 @@ A real-text MoE LM whose routing skews on its own (the embedded corpus, 16 exper
 
 - ``static``: static expert parallelism, dropless;
 - ``capacity``: static with a capacity factor (DeepSpeed-style drop and pad, ``--capacity-factor``);
-- ``shadow``: FasterMoE dynamic shadowing; ``flexmoe``: FlexMoE vExperts; ``eplb``: DeepSeek's EPLB (one spare
+- ``shadow``: FasterMoE dynamic shadowing, its broadcasts prefetched after the optimizer step (hidden behind the
+  next batch and the layers below); ``shadow_sync``: the same with the broadcasts in the layer's forward (what the
+  prefetch hides is the difference); ``flexmoe``: FlexMoE vExperts; ``eplb``: DeepSeek's EPLB (one spare
   slot per rank, like FlexMoE); all with the default cost model (the start-up calibration of this cluster,
   ``--moe-placement-profile auto``).
 
@@ -33,7 +35,7 @@ from ..cluster import netns
 from ..cluster.launcher import run_job
 from .gates import time_to
 
-RUNS = ("static", "capacity", "shadow", "flexmoe", "eplb")
+RUNS = ("static", "capacity", "shadow", "shadow_sync", "flexmoe", "eplb")
 SKEWED = ["--moe-gate", "switch", "--moe-top-k", "1", "--moe-aux-loss-coeff", "0"]
 BALANCED = ["--moe-gate", "gshard", "--moe-top-k", "2", "--moe-second-expert-policy", "all",
             "--moe-aux-loss-coeff", "0.01"]
@@ -44,7 +46,9 @@ MODEL = ["--hidden", "256", "--layers", "4", "--heads", "4", "--ffn-hidden", "51
 
 def _flags(run: str, routing: List[str], steps: int, capacity_factor: float, out: str, batch_size: int = 8) -> List[str]:
     extra = {"static": [], "capacity": ["--moe-dispatch", "capacity", "--moe-capacity-factor", str(capacity_factor)],
-             "shadow": ["--moe-placement", "shadow"], "flexmoe": ["--moe-placement", "flexmoe"],
+             "shadow": ["--moe-placement", "shadow"],
+             "shadow_sync": ["--moe-placement", "shadow", "--no-moe-placement-prefetch"],
+             "flexmoe": ["--moe-placement", "flexmoe"],
              "eplb": ["--moe-placement", "eplb"]}[run]
     return ["megamoe", "train", *MODEL, "--batch-size", str(batch_size), *routing, *extra, "--steps", str(steps),
             "--eval-interval", str(max(steps // 8, 1)), "--log-interval", str(max(steps // 20, 1)),
@@ -58,6 +62,11 @@ def _efficiency(counts, per: int):
     P = loads.shape[1]
     total = loads.sum(1).clamp_min(1)
     return (loads.max(1).values * P / total).mean().item(), (total / (P * loads.max(1).values.clamp_min(1))).mean().item()
+
+
+def _second_half_mean(values: List[float]) -> Optional[float]:
+    half = values[len(values) // 2:]
+    return sum(half) / len(half) if half else None
 
 
 def _predicted_saving(placed: List[dict]) -> Optional[float]:
@@ -99,6 +108,7 @@ def run_one(run: str, routing: List[str], steps: int, capacity_factor: float, in
             "balance_first": sum(b for b, _ in first) / len(first), "balance_last": sum(b for b, _ in last) / len(last),
             "moves": max([p.get("moves_total", 0.0) for p in placed] + [0.0]),
             "shadowed_last": placed[-1].get("shadowed", 0.0) if placed else 0.0,
+            "shadow_wait_s": _second_half_mean([p["shadow_wait_s"] for p in placed if "shadow_wait_s" in p]),
             "replicas_last": placed[-1].get("replicas", 0.0) if placed else 0.0,
             "bytes_moved_last": placed[-1].get("bytes_moved", 0.0) if placed else 0.0,
             "bytes_moved_total": max([p.get("bytes_moved_total", 0.0) for p in placed] + [0.0]),

@@ -16,7 +16,9 @@ Each run, for every MoE layer of this rank (in model order):
      reached by Expand / Shrink / Migrate, kept only when the cost model predicts a gain net of the moves;
    the ranks of an expert-parallel group check that they agree (one tiny all-reduce);
 3. execution: ``apply_placement`` moves parameters + optimizer state point to point and prepares the replica
-   groups (collective over the default group: every rank calls it, with or without moves);
+   groups (collective over the default group: every rank calls it, with or without moves); the shadowed experts'
+   copies for the next forwards are broadcast asynchronously right away (``--moe-placement-prefetch``), so they
+   overlap the next batch and the layers below instead of waiting in the layer's forward;
 4. the pay-off guard (guard.py, ``--moe-placement-guard``): once the steps after a change are measured (a window
    of at least 3 steps; no new change meanwhile), a change whose median step is slower than the median before it is
    undone, and the policy pauses.
@@ -33,8 +35,9 @@ the busiest rank's rows)), ``replicas`` (vExperts beyond one per expert, shadow 
 ``moves``, ``bytes_moved`` (model-state bytes sent by the group's ranks), ``changes_kept`` / ``changes_undone``
 (the guard's verdicts so far), ``predicted_step_s`` (the cost model's MoE-layer time of one step with the last
 steps' mean counts under the placement they ran with, summed over layers), ``predicted_static_step_s`` (the same
-counts under static contiguous experts: the two give the model's predicted saving per step) and
-``measured_step_s`` (wall time per optimizer step since the previous run, the whole training step).
+counts under static contiguous experts: the two give the model's predicted saving per step), ``shadow_wait_s``
+(seconds per step the forwards waited for the shadowed experts' prefetched copies: the part of their broadcasts not
+hidden behind other work; ``--moe-placement-prefetch``) and ``measured_step_s`` (wall time per optimizer step since the previous run, the whole training step).
 """
 from __future__ import annotations
 
@@ -49,7 +52,7 @@ from ..config import ConfigError, MoEConfig, flag
 from .guard import WAIT, PayoffGuard, job_max
 from .hooks import StepContext, register_placement_policy
 from .optim_state import check_optimizer_supported
-from .runtime import apply_placement
+from .runtime import apply_placement, group_cache
 
 __all__ = ["EPLBPolicy", "FlexMoEPolicy", "ShadowPolicy", "global_counts"]
 
@@ -201,9 +204,14 @@ class _Policy:
         if layers:
             _agree(layers[0].plan.placement, decisions)               # one check for every layer's plan
         sent = apply_placement(changes, ctx.optimizer)
+        waited = sum(m.plan.placement.drop_prefetch() for m in layers)    # forwards' waits on the last prefetch
         for rt, _, _, _, _, _, shadow in rows:
             if shadow is not None:
                 rt.set_shadowed(shadow)
+        if self.cfg.placement_prefetch and any(m.plan.placement.shadowed for m in layers):
+            group_cache().ensure([g for m in layers for g in m.plan.placement.needed_groups()])
+            for m in layers:
+                m.plan.placement.prefetch_shadows(m.experts_bank)
         changed = any(moves or (shadow is not None and set(shadow) != set(old[1]))
                       for (_, _, _, _, _, moves, shadow), old in zip(rows, before))
         if changed and undo is None:
@@ -212,6 +220,7 @@ class _Policy:
         self._report(rows, sent, measured)
         if rows:
             self.metrics["predicted_static_step_s"] = static_pred
+            self.metrics["shadow_wait_s"] = waited / max(int(getattr(ctx, "steps", 1)), 1)
         if self.drift is not None and self.drift.observe(measured, self.metrics.get("predicted_step_s", 0.0)):
             self.profile = None               # the model no longer matches this cluster: measure it again
             self.drift.reset()

@@ -28,6 +28,7 @@ placement and load them into any placement and expert-parallel size (checkpoint.
 """
 from __future__ import annotations
 
+import time
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
@@ -161,13 +162,16 @@ class _ShadowCopies(torch.autograd.Function):
     gradients to the owners' rows."""
 
     @staticmethod
-    def forward(ctx, spec, *weights):
+    def forward(ctx, spec, prefetched, *weights):
         entries, group, me = spec                    # entries: (owner ep rank, owner global rank, owner slot)
         ctx.spec, ctx.meta = spec, [(w.shape, w.dtype, w.device) for w in weights]
         outs = [w.new_empty((len(entries),) + tuple(w.shape[1:])) for w in weights]
         for j, (owner, owner_global, slot) in enumerate(entries):
-            flat = _row(weights, slot) if me == owner else weights[0].new_empty(sum(w[0].numel() for w in weights))
-            dist.broadcast(flat, src=owner_global, group=group)
+            if prefetched is not None:                # broadcast started between steps (``prefetch_shadows``)
+                flat = prefetched.wait(j)
+            else:
+                flat = _row(weights, slot) if me == owner else weights[0].new_empty(sum(w[0].numel() for w in weights))
+                dist.broadcast(flat, src=owner_global, group=group)
             _write_row(flat, outs, j)
         return tuple(outs)
 
@@ -182,7 +186,44 @@ class _ShadowCopies(torch.autograd.Function):
             dist.reduce(flat, dst=owner_global, group=group)
             if me == owner:
                 _write_row(flat, out, slot, add=True)
-        return (None, *out)
+        return (None, None, *out)
+
+
+class ShadowPrefetch:
+    """The shadowed experts' rows, broadcast asynchronously between optimizer steps on a process group of their own
+    (so the layers' all-to-alls do not queue behind them), for every forward until the weights change. ``wait(j)``
+    blocks on entry j's broadcast (the time it blocks is the part not hidden); it is valid while the weights'
+    version counters are those it was started from (an optimizer step, a move or a load changes them)."""
+
+    def __init__(self, entries, weights, group, me: int):
+        self.entries = tuple(entries)
+        self.versions = [w._version for w in weights]
+        self.flats, self.works = [], []
+        numel = sum(w[0].numel() for w in weights)
+        with torch.no_grad():
+            for owner, owner_global, slot in self.entries:
+                flat = _row(weights, slot) if me == owner else weights[0].new_empty(numel)
+                self.works.append(dist.broadcast(flat, src=owner_global, group=group, async_op=True))
+                self.flats.append(flat)
+        self.bytes = numel * weights[0].element_size() * len(self.entries)
+        self.wait_s = 0.0
+
+    def valid_for(self, entries, weights) -> bool:
+        return tuple(entries) == self.entries and [w._version for w in weights] == self.versions
+
+    def wait(self, j: int) -> torch.Tensor:
+        work = self.works[j]
+        if work is not None:
+            t0 = time.perf_counter()
+            work.wait()
+            self.wait_s += time.perf_counter() - t0
+            self.works[j] = None
+        return self.flats[j]
+
+    def finish(self) -> None:
+        """Complete every broadcast (before the prefetch is dropped: every rank must take part in each)."""
+        for j in range(len(self.works)):
+            self.wait(j)
 
 
 # --- the runtime -----------------------------------------------------------------------------------------------------
@@ -200,6 +241,7 @@ class PlacementRuntime:
         self.step_dropped: Optional[torch.Tensor] = None    # and its dropped assignments (capacity dispatch)
         self.moves_done = 0
         self.bytes_moved = 0
+        self._prefetch: Optional[ShadowPrefetch] = None
         self._rebuild()
 
     # --- derived tables ----------------------------------------------------------------------------------------
@@ -245,8 +287,12 @@ class PlacementRuntime:
         return self._device_tables[key]
 
     def needed_groups(self) -> List[Tuple[int, ...]]:
-        """Global-rank tuples of the replica all-reduce groups this rank takes part in (not the whole EP group)."""
-        return [ranks for _, ranks, whole in self._sync_plan_keys if not whole]
+        """Global-rank tuples of the replica all-reduce groups this rank takes part in (not the whole EP group),
+        and the shadow prefetch's own copy of the expert-parallel group when experts are shadowed."""
+        groups = [ranks for _, ranks, whole in self._sync_plan_keys if not whole]
+        if self._shadow_entries and self.ep.size > 1:
+            groups.append(tuple(self.ep.global_ranks))
+        return groups
 
     # --- forward: logical experts -> slots ----------------------------------------------------------------------
     def route_tokens(self, routing) -> SlotRouting:
@@ -301,12 +347,38 @@ class PlacementRuntime:
                     for slot, ranks, whole in self._sync_plan_keys]
             present = list(_ReplicaGradSync.apply(plan, *present))
         if self._shadow_entries:
-            copies = _ShadowCopies.apply((self._shadow_entries, self.ep.group, self.ep.rank), *present)
+            pre = self._prefetch
+            if pre is not None and not pre.valid_for(self._shadow_entries, present):
+                pre.finish()
+                pre = self._prefetch = None
+            copies = _ShadowCopies.apply((self._shadow_entries, self.ep.group, self.ep.rank), pre, *present)
             present = [torch.cat([w, c], 0) for w, c in zip(present, copies)]
         it = iter(present)
         return [None if w is None else next(it) for w in raw]
 
     # --- between steps -----------------------------------------------------------------------------------------
+    def prefetch_shadows(self, bank) -> int:
+        """Start the broadcasts of the shadowed experts' rows for the next forwards, between steps (the weights are
+        final until the next optimizer step), so they overlap what runs before this layer's forward: the next
+        batch, the layers below. Collective over the expert-parallel group (every rank calls it, in the same layer
+        order). Returns the bytes of one rank's copies."""
+        self.drop_prefetch()
+        if not self._shadow_entries:
+            return 0
+        weights = [w for w in (bank.w1, bank.w2, bank.b1, bank.b2) if w is not None]
+        group = self.cache.get(tuple(self.ep.global_ranks)) if self.ep.size > 1 else None
+        self._prefetch = ShadowPrefetch(self._shadow_entries, weights, group, self.ep.rank)
+        return self._prefetch.bytes
+
+    def drop_prefetch(self) -> float:
+        """Forget the prefetched copies (their broadcasts completed first); returns the seconds forwards waited on
+        them (the part of the broadcasts not hidden)."""
+        pre, self._prefetch = self._prefetch, None
+        if pre is None:
+            return 0.0
+        pre.finish()
+        return pre.wait_s
+
     def set_shadowed(self, experts: Sequence[int]) -> None:
         """Experts to shadow from the next forward on (FasterMoE Alg. 1's choice); [] for none."""
         experts = [int(e) for e in experts]
