@@ -23,9 +23,11 @@ from fairseq.models.transformer_lm import (TransformerLanguageModel, Transformer
                                            base_lm_architecture, transformer_lm_gpt)
 from fairseq.utils import safe_getattr
 
+import torch
 import torch.distributed as dist
 
 from ..config import ConfigError, MoEConfig
+from ..cpu_alloc import retain_freed_memory
 from ..gate_sync import gate_params
 from . import distributed as moe_dist
 from .args import add_moe_args, config_from_fairseq, fill_moe_defaults, moe_dataclass, moe_freq
@@ -47,6 +49,8 @@ def build_moe_config(args) -> MoEConfig:
 
 
 def moe_ify(model, args, encoder_layers, decoder_layers):
+    if not torch.cuda.is_available() or safe_getattr(args, "cpu", False):
+        retain_freed_memory()     # CPU: reuse large activation/gradient blocks instead of page-faulting them each step
     cfg = build_moe_config(args)
     freq = moe_freq(args)
     ep_group, edp_group = moe_dist.expert_groups(cfg.expert_parallel_size)

@@ -433,9 +433,12 @@ def install_megatron_lm_hooks() -> List[str]:
     if _INSTALLED:
         return list(_APPLIED)
     if not torch.cuda.is_available():
+        from ..cpu_alloc import retain_freed_memory
         from .cpu_compat import install_cpu_shims
         install_cpu_shims()
         _APPLIED.append("cpu_compat shims")
+        if retain_freed_memory():     # reuse large activation/gradient blocks instead of page-faulting them
+            _APPLIED.append("glibc keeps freed large blocks (cpu_alloc)")
     _stub_batch_invariant_kernels()
     init = importlib.import_module("megatron.training.initialize")
     arguments = importlib.import_module("megatron.training.arguments")

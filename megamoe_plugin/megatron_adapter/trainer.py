@@ -58,11 +58,13 @@ def print0(*a):
 def initialize(args):
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+    from ..cpu_alloc import retain_freed_memory
     from .cpu_compat import install_cpu_shims
 
     cuda = torch.cuda.is_available()
     if not cuda:
         install_cpu_shims()
+        retain_freed_memory()     # reuse large activation/gradient blocks instead of page-faulting them each step
     backend = args.distributed_backend or ("nccl" if cuda else "gloo")
     if "RANK" in os.environ:
         if cuda:
