@@ -57,6 +57,8 @@ DEFAULT = re.compile(r"\bdefault(?:s| is| =|:)?\s+(?:the\s+)?`([^`]+)`|\(default
 
 
 def _same(documented: str, default) -> bool:
+    if isinstance(default, bool):               # a switch is documented as on / off
+        return documented.strip().lower() in (("on", "true") if default else ("off", "false"))
     try:
         return float(documented) == float(default)
     except (TypeError, ValueError):

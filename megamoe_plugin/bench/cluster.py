@@ -3,7 +3,8 @@ bandwidths: the measured step split into compute / all-to-all (and the exchange'
 beside the prediction of a performance model calibrated on that same cluster.
 
 The driver (root) creates one emulated cluster per bandwidth (``cluster.run_job``) and runs the worker on its 4
-ranks. Each worker:
+ranks, each a fixed-speed device by default (``--cpu-share auto``: its own CPU cgroup capped at 0.9 x cores / ranks,
+so a rank cannot borrow the cores its waiting peers leave). Each worker:
 
 1. calibrates the cluster (``perfmodel.calibrate``: GEMM rate with the CPU share each rank really gets while all
    ranks compute, all-to-all alpha, point-to-point alpha-beta per level of the launcher's topology);
@@ -201,6 +202,8 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, dict]:
     p.add_argument("--rounds", type=int, default=5, help="timed steps per case (median)")
     p.add_argument("--quick", action="store_true", help="fewer shapes and a quicker calibration")
     p.add_argument("--json", default=None, help="write the results here")
+    p.add_argument("--cpu-share", default="auto", help="each rank's CPU share in cores (megamoe cluster run "
+                   "--cpu-share): auto (fixed-speed ranks, the default), off, one value or one per rank")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     p.add_argument("--split-probe", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -210,10 +213,12 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, dict]:
     if args.worker:
         _worker(args.worker, args.rounds, args.quick)
         return {}
-    from ..cluster import netns, run_job
+    from ..cluster import cpu_caps, netns, run_job
     why = netns.unavailable()
     if why:
         raise SystemExit(f"megamoe bench cluster: {why}")
+    shares = cpu_caps.bench_shares(args.cpu_share, 4, "megamoe bench cluster")
+    print(f"[bench cluster] 2 nodes x 2, {cpu_caps.describe(shares)}", flush=True)
     results = {}
     import tempfile
     with tempfile.TemporaryDirectory() as d:
@@ -225,11 +230,12 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, dict]:
                   f"cases ...", flush=True)
             t0 = time.time()
             code = run_job(cmd, 2, 2, netns.parse_bandwidth(bw), log_dir=os.path.join(d, "logs"), timeout=1800,
-                           echo=lambda line: None)
+                           echo=lambda line: None, cpu_shares=shares)
             if code:
                 raise SystemExit(f"megamoe bench cluster: the run at {bw} failed with status {code}")
             with open(out) as f:
                 results[bw] = json.load(f)
+            results[bw]["cpu_shares"] = shares
             print(f"[bench cluster] inter-node {bw}: done in {time.time() - t0:.0f}s", flush=True)
             print(results[bw]["calibration"])
             print(_table(bw, results[bw]), flush=True)

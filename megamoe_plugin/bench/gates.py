@@ -3,7 +3,9 @@ Hir gate, paper 003 §4.3).
 
 For each topology (2 nodes x 2, and an asymmetric 3 nodes of 2+1+1 ranks; inter-node links 4x slower than the
 intra-node ones by default) and each gate configuration (gshard; ta_moe with gate sync all / local / average:K;
-hir), ``megamoe train`` trains the same MoE GPT from the same seed and data under ``megamoe cluster run``. Per run:
+hir), ``megamoe train`` trains the same MoE GPT from the same seed and data under ``megamoe cluster run``, every rank
+a fixed-speed device by default (``--cpu-share auto``: its own CPU cgroup), ``--train-rounds`` rounds interleaved
+(the row is the round with the median step; every round's step and loss kept). Per run:
 
 - the off-node share of the dispatched assignments (routing trace, last quarter of training; for ta_moe its target
   from the derived pattern), and the MoE inter-node bytes per step that implies (computed from the trace:
@@ -88,7 +90,9 @@ def time_to(evals: List[dict], target: float) -> Optional[float]:
     return None
 
 
-def run_config(topology: str, config: str, steps: int, inter: float, intra: float, out: str, port: int) -> dict:
+def run_config(topology: str, config: str, steps: int, inter: float, intra: float, out: str, port: int,
+               cpu_share: str = "off") -> dict:
+    from ..cluster import cpu_caps
     from ..stats import load_trace
     nodes, procs = TOPOLOGIES[topology]
     groups = [[0, 1], [2, 3]] if topology == "2x2" else [[0, 1], [2], [3]]
@@ -96,7 +100,8 @@ def run_config(topology: str, config: str, steps: int, inter: float, intra: floa
     os.makedirs(out, exist_ok=True)
     t0 = time.time()
     code = run_job(_flags(config, world, steps, out), nodes, procs, inter, intra, master_port=port,
-                   log_dir=os.path.join(out, "logs"), timeout=3600, echo=lambda line: None, say=lambda t: None)
+                   log_dir=os.path.join(out, "logs"), timeout=3600, echo=lambda line: None, say=lambda t: None,
+                   cpu_shares=cpu_caps.bench_shares(cpu_share, world, "megamoe bench gates"))
     if code:
         raise RuntimeError(f"{topology} {config}: megamoe train exited with {code} (logs: {out}/logs)")
     with open(os.path.join(out, "metrics.json")) as f:
@@ -177,6 +182,10 @@ def main(argv: Optional[List[str]] = None) -> dict:
     p.add_argument("--table1-rounds", type=int, default=3, help="interleaved rounds of TA-MoE's Table 1 (0 = skip)")
     p.add_argument("--schedule", default="compute:2,compute:4", help="smart-schedule cases measured on 2 nodes x 2 "
                    "(bench schedule CONFIG:GROUPS, comma list; empty = skip)")
+    p.add_argument("--train-rounds", type=int, default=1, help="rounds of the training runs, each running every "
+                   "config once, interleaved (medians and spread reported)")
+    p.add_argument("--cpu-share", default="auto", help="each rank's CPU share in cores (megamoe cluster run "
+                   "--cpu-share): auto (fixed-speed ranks, the default), off, one value or one per rank")
     p.add_argument("--out", default="results/bench_gates", help="runs, traces, logs and results.json")
     p.add_argument("--table1-worker", default=None, help=argparse.SUPPRESS)
     p.add_argument("--rounds", type=int, default=3, help=argparse.SUPPRESS)
@@ -188,7 +197,13 @@ def main(argv: Optional[List[str]] = None) -> dict:
     if why:
         raise SystemExit(f"megamoe bench gates: {why}")
     inter, intra = netns.parse_bandwidth(args.inter_node_bandwidth), netns.parse_bandwidth(args.intra_node_bandwidth)
-    results: Dict[str, object] = {"shaping": {"inter": inter, "intra": intra}, "runs": []}
+    from ..cluster import cpu_caps
+    shares = cpu_caps.bench_shares(args.cpu_share, 4, "megamoe bench gates")       # checked before anything runs
+    if args.train_rounds < 1:
+        raise SystemExit("megamoe bench gates: --train-rounds must be >= 1")
+    print(f"[bench gates] {cpu_caps.describe(shares)}", flush=True)
+    results: Dict[str, object] = {"shaping": {"inter": inter, "intra": intra, "cpu_share": args.cpu_share,
+                                              "cpu_shares_2x2": shares}, "runs": []}
     if args.table1_rounds:
         print(f"[bench gates] TA-MoE Table 1 on 2 nodes x 2 ({args.table1_rounds} interleaved rounds)", flush=True)
         results["table1"] = table1(inter, intra, os.path.join(args.out, "table1"), args.table1_rounds, 29800)
@@ -202,7 +217,7 @@ def main(argv: Optional[List[str]] = None) -> dict:
         code = run_job(["megamoe", "bench", "schedule", "--config", config, "--routing", "balanced", "--groups",
                         groups, "--iters", "8", "--json", out], 2, 2, inter, None, master_port=29790,
                        log_dir=os.path.join(args.out, "schedule", "logs"), timeout=1800, echo=lambda line: None,
-                       say=lambda t: None)
+                       say=lambda t: None, cpu_shares=shares)
         if code:
             raise RuntimeError(f"smart schedule {case}: exited with {code}")
         with open(out) as f:
@@ -217,17 +232,31 @@ def main(argv: Optional[List[str]] = None) -> dict:
         print(f"[bench gates] smart schedule {case}: plain / smart {res['measured_ratio']:.3f}", flush=True)
     configs = [c for c in args.configs.split(",") if c]
     for topology in filter(None, args.topologies.split(",")):
-        for i, config in enumerate(configs):
-            t0 = time.time()
-            print(f"[bench gates] {topology} {config} ({i + 1}/{len(configs)}) ...", flush=True)
-            run = run_config(topology, config, args.steps, inter, intra,
-                             os.path.join(args.out, topology, config.replace(":", "_")), 29810 + 2 * i)
-            results["runs"].append(run)
-            print(f"[bench gates] {topology} {config}: off-node share {run['off_node_share']:.3f}, step "
-                  f"{run['step_seconds'] * 1e3:.0f} ms, link {run['link_bytes_per_step'] / 1e6:.1f} MB/step, valid loss "
-                  f"{run['final_valid_loss']:.4f} ({time.time() - t0:.0f}s)", flush=True)
+        rounds: Dict[str, List[dict]] = {c: [] for c in configs}
+        for k in range(args.train_rounds):
+            for i, config in enumerate(configs):
+                t0 = time.time()
+                print(f"[bench gates] {topology} round {k + 1} {config} ({i + 1}/{len(configs)}) ...", flush=True)
+                run = run_config(topology, config, args.steps, inter, intra,
+                                 os.path.join(args.out, topology, f"round{k}", config.replace(":", "_")),
+                                 29810 + 2 * i, args.cpu_share)
+                rounds[config].append(run)
+                print(f"[bench gates] {topology} {config}: off-node share {run['off_node_share']:.3f}, step "
+                      f"{run['step_seconds'] * 1e3:.0f} ms, link {run['link_bytes_per_step'] / 1e6:.1f} MB/step, "
+                      f"valid loss {run['final_valid_loss']:.4f} ({time.time() - t0:.0f}s)", flush=True)
+        for config in configs:
+            results["runs"].append(_median_round(rounds[config]))
     _finish(results, args)
     return results
+
+
+def _median_round(rounds: List[dict]) -> dict:
+    """One config's rounds as one row: the round with the median step time, with every round's step time and
+    final validation loss kept (the spread)."""
+    row = dict(sorted(rounds, key=lambda r: r["step_seconds"])[len(rounds) // 2])
+    row["step_seconds_rounds"] = [r["step_seconds"] for r in rounds]
+    row["final_valid_loss_rounds"] = [r["final_valid_loss"] for r in rounds]
+    return row
 
 
 def _finish(results: dict, args) -> None:

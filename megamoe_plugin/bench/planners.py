@@ -182,13 +182,9 @@ def main(argv: Optional[List[str]] = None) -> dict:
         raise SystemExit(f"megamoe bench planners: --runs {','.join(unknown)}: unknown; known: {','.join(RUNS)}")
     intra = netns.parse_bandwidth(args.intra_node_bandwidth) if args.intra_node_bandwidth else None
     from ..cluster import cpu_caps
-    shares = cpu_caps.parse_shares(args.cpu_share, 4)
-    if shares and cpu_caps.unavailable():
-        raise SystemExit(f"megamoe bench planners: --cpu-share {args.cpu_share}: {cpu_caps.unavailable()} "
-                         "(--cpu-share off runs the ranks uncapped)")
-    print(f"[bench planners] ranks " + (f"capped at {shares[0]:g} core each (fixed-speed)" if shares
-                                         else "uncapped (sharing the cores)")
-          + f"; {args.rounds} interleaved round(s) of {','.join(runs)} per cell", flush=True)
+    shares = cpu_caps.bench_shares(args.cpu_share, 4, "megamoe bench planners")
+    print(f"[bench planners] {cpu_caps.describe(shares)}; {args.rounds} interleaved round(s) of {','.join(runs)} "
+          "per cell", flush=True)
     cells = []
     for batch in batches:
         for inter in inters:

@@ -85,6 +85,28 @@ def parse_shares(text: str, world: int, cores: Optional[int] = None) -> Optional
     return values
 
 
+def bench_shares(text: str, world: int, prog: str) -> Optional[List[float]]:
+    """A benchmark's ``--cpu-share``: the shares per rank (None: uncapped), or SystemExit naming the flag when the
+    value is bad or caps are unavailable here."""
+    try:
+        shares = parse_shares(text, world)
+    except ValueError as e:
+        raise SystemExit(f"{prog}: {e}") from None
+    why = unavailable() if shares else None
+    if why:
+        raise SystemExit(f"{prog}: --cpu-share {text}: {why} (--cpu-share off runs the ranks uncapped)")
+    return shares
+
+
+def describe(shares: Optional[Sequence[float]]) -> str:
+    """The benchmarks' one-line description of the ranks' speed."""
+    if not shares:
+        return "ranks uncapped (sharing the machine's cores)"
+    if len(set(shares)) == 1:
+        return f"fixed-speed ranks: each capped at {shares[0]:g} core"
+    return "fixed-speed ranks: capped at " + ",".join(f"{s:g}" for s in shares) + " cores"
+
+
 class CpuCaps(CreatedResource):
     """One cgroup per rank with a CFS quota of ``shares[rank]`` cores (a context manager; removes everything it
     made: ``destroy`` removes the run's whole cgroup tree)."""
