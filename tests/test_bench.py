@@ -106,3 +106,28 @@ def test_device_benchmark_code_path_on_a_cpu_stand_in(monkeypatch):
     assert seq["time"] > 0 and float(seq["note"].split()[-1]) < 1e-4     # same function as ours
     assert "vs SequentialMLP" in "\n".join(ld.targets(rows))
     assert "| tiny | balanced | ours dropless |" in ld.format_table(rows)
+
+
+def test_bench_capacity_summary_and_domination():
+    """`megamoe bench capacity`'s per-config summary over seeds, by hand: means, sample standard deviations, and a
+    dynamic policy dominated only by a static factor that is faster AND drops less beyond one deviation of both."""
+    from megamoe_plugin.bench.capacity import main, summarise
+
+    def run(seed, step, kept, loss):
+        return {"seed": seed, "step_seconds": step, "token_efficiency": kept, "link_bytes_per_step": 1e6,
+                "final_valid_loss": loss}
+    rows = {"CF=1.0": [run(0, 1.0, 0.80, 3.0), run(1, 1.2, 0.84, 3.2)],       # fast, drops 18 +- 2.8 %
+            "CF=2.0": [run(0, 2.0, 0.99, 2.9), run(1, 2.0, 0.99, 2.9)],       # slow, drops 1 %
+            "dynamic": [run(0, 1.5, 0.70, 2.9), run(1, 1.5, 0.70, 2.9)],      # drops more than CF=1.0, slower
+            "dynamic q=0.9": [run(0, 1.5, 0.95, 2.9), run(1, 1.5, 0.95, 2.9)]}  # between the two: on the frontier
+    s = summarise(rows)
+    assert s["CF=1.0"]["step_seconds"][0] == pytest.approx(1.1)
+    assert s["CF=1.0"]["step_seconds"][1] == pytest.approx(0.1414213, rel=1e-5)       # sample sd of 1.0, 1.2
+    assert s["CF=1.0"]["dropped"][0] == pytest.approx(0.18)
+    assert s["dynamic"]["dominated_by"] == ["CF=1.0"]
+    assert s["dynamic q=0.9"]["dominated_by"] == []
+    assert "dominated_by" not in s["CF=2.0"]
+    with pytest.raises(SystemExit, match="--configs CF=3: unknown"):
+        main(["--configs", "CF=3"])
+    with pytest.raises(SystemExit, match="--seeds"):
+        main(["--seeds", "x"])

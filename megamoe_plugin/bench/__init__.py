@@ -12,7 +12,8 @@ BENCHMARKS = {
     "inference": ("inference", "paper 004: static vs dynamic gating at inference, throughput and memory"),
     "cluster": ("cluster", "a reference MoE layer on the emulated cluster: compute / all-to-all split, predictions"),
     "gates": ("gates", "gshard / ta_moe / hir trained on the emulated cluster: off-node share, time to target"),
-    "planners": ("planners", "static / capacity / shadow / flexmoe placement on the emulated cluster"),
+    "planners": ("planners", "static / capacity / shadow / flexmoe / eplb placement on the emulated cluster"),
+    "capacity": ("capacity", "DynaMoE: static capacity factors vs dynamic capacity vs dropless on the emulated cluster"),
 }
 
 

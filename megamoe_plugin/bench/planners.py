@@ -44,13 +44,19 @@ MODEL = ["--hidden", "256", "--layers", "4", "--heads", "4", "--ffn-hidden", "51
          "--corpus-bytes", "1000000", "--eval-batches", "8", "--seed", "0", "--moe-expert-parallel-size", "4"]
 
 
-def _flags(run: str, routing: List[str], steps: int, capacity_factor: float, out: str, batch_size: int = 8) -> List[str]:
-    extra = {"static": [], "capacity": ["--moe-dispatch", "capacity", "--moe-capacity-factor", str(capacity_factor)],
-             "shadow": ["--moe-placement", "shadow"],
-             "shadow_sync": ["--moe-placement", "shadow", "--no-moe-placement-prefetch"],
-             "flexmoe": ["--moe-placement", "flexmoe"],
-             "eplb": ["--moe-placement", "eplb"]}[run]
-    return ["megamoe", "train", *MODEL, "--batch-size", str(batch_size), *routing, *extra, "--steps", str(steps),
+def run_flags(run: str, capacity_factor: float) -> List[str]:
+    """The ``megamoe train`` flags of one of RUNS."""
+    return {"static": [], "capacity": ["--moe-dispatch", "capacity", "--moe-capacity-factor", str(capacity_factor)],
+            "shadow": ["--moe-placement", "shadow"],
+            "shadow_sync": ["--moe-placement", "shadow", "--no-moe-placement-prefetch"],
+            "flexmoe": ["--moe-placement", "flexmoe"],
+            "eplb": ["--moe-placement", "eplb"]}[run]
+
+
+def _flags(extra: List[str], routing: List[str], steps: int, out: str, batch_size: int = 8, seed: int = 0) -> List[str]:
+    model = list(MODEL)
+    model[model.index("--seed") + 1] = str(seed)
+    return ["megamoe", "train", *model, "--batch-size", str(batch_size), *routing, *extra, "--steps", str(steps),
             "--eval-interval", str(max(steps // 8, 1)), "--log-interval", str(max(steps // 20, 1)),
             "--trace", os.path.join(out, "trace"), "--metrics-json", os.path.join(out, "metrics.json")]
 
@@ -80,18 +86,21 @@ def _predicted_saving(placed: List[dict]) -> Optional[float]:
     return sum(a - b for a, b in half) / len(half)
 
 
-def run_one(run: str, routing: List[str], steps: int, capacity_factor: float, inter: float, intra: Optional[float],
-            out: str, port: int, batch_size: int = 8, cpu_shares=None) -> dict:
+def run_one(run: str, routing: List[str], steps: int, extra: List[str], inter: float, intra: Optional[float],
+            out: str, port: int, batch_size: int = 8, cpu_shares=None, seed: int = 0) -> dict:
+    """Train ``run`` (``megamoe train`` with ``extra`` flags) on the 2 x 2 emulated cluster; its measured row."""
     from ..stats import load_trace
     os.makedirs(out, exist_ok=True)
     t0 = time.time()
-    code = run_job(_flags(run, routing, steps, capacity_factor, out, batch_size), 2, 2, inter, intra,
+    code = run_job(_flags(extra, routing, steps, out, batch_size, seed), 2, 2, inter, intra,
                    master_port=port, log_dir=os.path.join(out, "logs"), timeout=3600, echo=lambda line: None,
                    say=lambda t: None, cpu_shares=cpu_shares)
     if code:
         raise RuntimeError(f"{run}: megamoe train exited with {code} (logs: {out}/logs)")
     with open(os.path.join(out, "metrics.json")) as f:
         m = json.load(f)
+    with open(os.path.join(out, "logs", "network.json")) as f:
+        link_bytes = sum(v["sent"] for v in json.load(f)["nodes"].values())
     counts = load_trace(os.path.join(out, "trace"))["counts"]            # [S, L, P, E]
     S = counts.shape[0]
     per = counts.shape[-1] // counts.shape[2]
@@ -113,6 +122,7 @@ def run_one(run: str, routing: List[str], steps: int, capacity_factor: float, in
             "bytes_moved_last": placed[-1].get("bytes_moved", 0.0) if placed else 0.0,
             "bytes_moved_total": max([p.get("bytes_moved_total", 0.0) for p in placed] + [0.0]),
             "predicted_saving_s": _predicted_saving(placed),
+            "link_bytes_per_step": link_bytes / m["step"], "seed": seed,
             "wall_seconds": time.time() - t0, "routed_lines": routed}
 
 
@@ -199,7 +209,7 @@ def main(argv: Optional[List[str]] = None) -> dict:
                     done = []
                     for i, run in enumerate(runs):
                         print(f"[bench planners] {tag} round {k + 1} {run} ...", flush=True)
-                        row = run_one(run, routing, args.steps, args.capacity_factor, inter, intra,
+                        row = run_one(run, routing, args.steps, run_flags(run, args.capacity_factor), inter, intra,
                                       os.path.join(args.out, tag, f"round{k}", run), 29900 + 2 * i, batch, shares)
                         done.append(row)
                         print(f"[bench planners] {tag} round {k + 1} {run}: step {row['step_seconds'] * 1e3:.0f} ms, "

@@ -1,0 +1,159 @@
+"""``megamoe bench capacity``: DynaMoE's dynamic capacity against static capacity factors and dropless dispatch, trained
+on the emulated cluster (paper 000 §4.1, §5.1 Fig. 6 / Fig. 9), where its mechanism can show: less padding in the
+experts' compute and in the all-to-all over a slow inter-node link.
+
+The real-text MoE LM of ``megamoe bench planners`` (the embedded corpus, 16 experts, EP=4 on 2 nodes x 2, every rank
+a fixed-speed device by default: ``--cpu-share auto``), Switch top-1 with the 0.01 balance loss (DynaMoE's gate),
+trained from the same data with each of:
+
+- ``CF=1.0``, ``CF=1.25``, ``CF=1.5``, ``CF=2.0``: capacity dispatch with one static capacity factor (GShard's drop
+  and pad);
+- ``dynamic``: ``--moe-capacity-policy dynamic`` (per-expert moving average + max(20% headroom, 2 standard
+  deviations), RECOMPILE off the critical path); ``dynamic q=0.9``: each expert's capacity the 0.9-quantile of its
+  demand over the last 32 steps;
+- ``dropless``: no capacity, nothing dropped (the quality reference).
+
+Every seed (``--seeds``) runs each configuration once, interleaved (seed by seed). Per run: the median step time,
+the dropped fraction of the assignments, the bytes over the inter-node links per step (measured on the links,
+every collective included), the final validation loss. Per configuration: mean and standard deviation over the
+seeds, and ``drop_vs_step.png``: dropped fraction against step time with error bars. A dynamic policy dominates the
+static curve where no static factor is both faster and drops less (``dominated_by`` lists the static factors that
+are); the results say where.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+from typing import Dict, List, Optional
+
+from ..cluster import cpu_caps, netns
+from .planners import run_one
+
+CAPACITY = ["--moe-dispatch", "capacity"]
+CONFIGS = {
+    "CF=1.0": CAPACITY + ["--moe-capacity-factor", "1.0"],
+    "CF=1.25": CAPACITY + ["--moe-capacity-factor", "1.25"],
+    "CF=1.5": CAPACITY + ["--moe-capacity-factor", "1.5"],
+    "CF=2.0": CAPACITY + ["--moe-capacity-factor", "2.0"],
+    "dynamic": CAPACITY + ["--moe-capacity-policy", "dynamic"],
+    "dynamic q=0.9": CAPACITY + ["--moe-capacity-policy", "dynamic", "--moe-capacity-quantile", "0.9"],
+    "dropless": [],
+}
+ROUTING = ["--moe-gate", "switch", "--moe-top-k", "1", "--moe-aux-loss-coeff", "0.01"]
+
+
+def _mean_sd(values: List[float]) -> tuple:
+    return statistics.mean(values), (statistics.stdev(values) if len(values) > 1 else 0.0)
+
+
+def summarise(rows: Dict[str, List[dict]]) -> Dict[str, dict]:
+    """Per configuration: mean and standard deviation over its seeds of step time, dropped fraction, link bytes
+    and final validation loss; for the dynamic ones, the static factors that dominate them (faster and fewer drops,
+    beyond one standard deviation of both)."""
+    out = {}
+    for name, runs in rows.items():
+        step = _mean_sd([r["step_seconds"] for r in runs])
+        drop = _mean_sd([1.0 - r["token_efficiency"] for r in runs])
+        out[name] = {"seeds": [r["seed"] for r in runs], "step_seconds": step, "dropped": drop,
+                     "link_bytes_per_step": _mean_sd([r["link_bytes_per_step"] for r in runs]),
+                     "final_valid_loss": _mean_sd([r["final_valid_loss"] for r in runs])}
+    for name, s in out.items():
+        if name.startswith("dynamic"):
+            s["dominated_by"] = [
+                other for other, o in out.items() if other.startswith("CF=")
+                and o["step_seconds"][0] + o["step_seconds"][1] < s["step_seconds"][0] - s["step_seconds"][1]
+                and o["dropped"][0] + o["dropped"][1] < s["dropped"][0] - s["dropped"][1]]
+    return out
+
+
+def plot(summary: Dict[str, dict], path: str, label: str) -> Optional[str]:
+    """Dropped fraction against step time, error bars one standard deviation over the seeds."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    fig, ax = plt.subplots(figsize=(6, 4))
+    static = sorted((n for n in summary if n.startswith("CF=")), key=lambda n: float(n[3:]))
+    xs = [summary[n]["step_seconds"][0] * 1e3 for n in static]
+    ax.plot(xs, [summary[n]["dropped"][0] for n in static], "-", color="grey", label="static CF curve")
+    for n, s in summary.items():
+        ax.errorbar(s["step_seconds"][0] * 1e3, s["dropped"][0], xerr=s["step_seconds"][1] * 1e3,
+                    yerr=s["dropped"][1], fmt="o" if n.startswith("CF=") else "s", capsize=3, label=n)
+    ax.set_xlabel("step time (ms, median per run; mean over seeds)")
+    ax.set_ylabel("dropped fraction of assignments")
+    ax.set_title(label, fontsize=9)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def format_summary(summary: Dict[str, dict]) -> str:
+    lines = [f"{'config':<14} {'step ms':>14} {'dropped':>15} {'link MB/step':>14} {'valid loss':>16}  dominated by"]
+    for name, s in summary.items():
+        lines.append(f"{name:<14} {s['step_seconds'][0] * 1e3:>7.0f} ± {s['step_seconds'][1] * 1e3:<4.0f} "
+                     f"{s['dropped'][0]:>7.3f} ± {s['dropped'][1]:<5.3f} "
+                     f"{s['link_bytes_per_step'][0] / 1e6:>14.2f} "
+                     f"{s['final_valid_loss'][0]:>8.4f} ± {s['final_valid_loss'][1]:<5.4f}  "
+                     + (", ".join(s["dominated_by"]) or "nothing" if "dominated_by" in s else ""))
+    return "\n".join(lines)
+
+
+def main(argv: Optional[List[str]] = None) -> dict:
+    p = argparse.ArgumentParser(prog="megamoe bench capacity", description=__doc__.split("\n\n")[0])
+    p.add_argument("--configs", default=",".join(CONFIGS), help="comma list of: " + ", ".join(CONFIGS))
+    p.add_argument("--seeds", default="0,1,2", help="comma list of seeds; every seed runs every config once")
+    p.add_argument("--steps", type=int, default=80)
+    p.add_argument("--batch-size", type=int, default=8, help="sequences of 64 tokens per rank per step")
+    p.add_argument("--inter-node-bandwidth", default="100MB/s")
+    p.add_argument("--cpu-share", default="auto", help="each rank's CPU share in cores (megamoe cluster run "
+                   "--cpu-share): auto (fixed-speed ranks, the default), off, one value or one per rank")
+    p.add_argument("--out", default="results/bench_capacity")
+    args = p.parse_args(argv)
+    configs = [c.strip() for c in args.configs.split(",") if c.strip()]
+    unknown = [c for c in configs if c not in CONFIGS]
+    if unknown:
+        raise SystemExit(f"megamoe bench capacity: --configs {','.join(unknown)}: unknown; known: {', '.join(CONFIGS)}")
+    try:
+        seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
+        inter = netns.parse_bandwidth(args.inter_node_bandwidth)
+    except ValueError as e:
+        raise SystemExit(f"megamoe bench capacity: --seeds / --inter-node-bandwidth: {e}") from None
+    if not seeds or args.steps < 1 or args.batch_size < 1:
+        raise SystemExit("megamoe bench capacity: --seeds needs one seed at least; --steps and --batch-size >= 1")
+    why = netns.unavailable()
+    if why:
+        raise SystemExit(f"megamoe bench capacity: {why}")
+    shares = cpu_caps.bench_shares(args.cpu_share, 4, "megamoe bench capacity")
+    label = (f"emulated cluster 2 x 2, inter-node {inter / 1e6:g} MB/s, {cpu_caps.describe(shares)}, "
+             f"{args.batch_size * 64} tokens per rank, {len(seeds)} seed(s)")
+    print(f"[bench capacity] {label}", flush=True)
+    rows: Dict[str, List[dict]] = {c: [] for c in configs}
+    for seed in seeds:
+        for i, name in enumerate(configs):
+            print(f"[bench capacity] seed {seed} {name} ...", flush=True)
+            row = run_one(name, ROUTING, args.steps, CONFIGS[name], inter, None,
+                          os.path.join(args.out, f"seed{seed}", name.replace("=", "").replace(" ", "_")),
+                          29700 + 2 * i, args.batch_size, shares, seed)
+            rows[name].append(row)
+            print(f"[bench capacity] seed {seed} {name}: step {row['step_seconds'] * 1e3:.0f} ms, dropped "
+                  f"{1 - row['token_efficiency']:.3f}, valid loss {row['final_valid_loss']:.4f}", flush=True)
+    summary = summarise(rows)
+    os.makedirs(args.out, exist_ok=True)
+    figure = plot(summary, os.path.join(args.out, "drop_vs_step.png"), label)
+    results = {"setup": {"label": label, "cpu_shares": shares, "inter_node_bandwidth": inter, "steps": args.steps,
+                         "batch_size": args.batch_size, "seeds": seeds}, "runs": rows, "summary": summary,
+               "figure": figure}
+    with open(os.path.join(args.out, "results.json"), "w") as f:
+        json.dump(results, f, indent=1)
+    print(format_summary(summary), flush=True)
+    return results
+
+
+if __name__ == "__main__":
+    main()
