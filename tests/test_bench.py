@@ -15,7 +15,7 @@ def test_tiny_benchmark_prints_every_implementation(capsys):
     rows = bench.main(["--configs", "tiny", "--routing", "skewed", "--repeat", "1", "--threads", "1"])
     out = capsys.readouterr().out
     impls = {r["impl"] for r in rows}
-    for name in ("GEMM floor", "ours dropless", "ours dropless, BLAS GEMMs", "ours capacity CF=1", "ours capacity CF=2",
+    for name in ("expert floor", "argsort + loop", "ours dropless", "ours dropless, BLAS GEMMs", "ours capacity CF=1", "ours capacity CF=2",
                  "megatron-core MoELayer", "gshard einsum CF=1", "gshard einsum CF=2", "dense MLP (same FLOPs)"):
         assert name in impls and name in out
     assert all(r["time"] > 0 for r in rows)
@@ -26,15 +26,34 @@ def test_tiny_benchmark_prints_every_implementation(capsys):
     assert gshard["bytes"] == 2 * c["T"] * c["E"] * C * 4 + 2 * c["E"] * C * c["H"] * 4
 
 
+def test_expert_floor_is_the_experts_forward_and_backward():
+    """The hand-written floor computes what autograd computes for fc1 -> gelu -> fc2 per expert group (outputs and
+    every gradient), so it times the real work; empty experts are skipped."""
+    torch.manual_seed(0)
+    E, H, F_ = 4, 8, 16
+    counts = [3, 0, 5, 2]
+    xs, w1, w2 = torch.randn(10, H), torch.randn(E, H, F_), torch.randn(E, F_, H)
+    floor = bench.ExpertFloor(xs, counts, w1, w2)
+    floor()
+    xr, w1r, w2r = (t.clone().requires_grad_() for t in (xs, w1, w2))
+    y = torch.cat([torch.nn.functional.gelu(part @ w1r[e]) @ w2r[e] for e, part in enumerate(xr.split(counts))])
+    y.backward(torch.ones_like(y))
+    for got, want in ((floor.y, y), (floor.dx, xr.grad), (floor.dw1, w1r.grad), (floor.dw2, w2r.grad)):
+        assert torch.allclose(got, want, rtol=1e-4, atol=1e-4)
+    assert float(floor.dw1[1].abs().sum()) == 0.0 == float(w1r.grad[1].abs().sum())
+
+
 @pytest.mark.parametrize("routing", ["balanced", "skewed"])
 def test_implementations_compute_the_same_function(routing):
     c = bench.CONFIGS["tiny"]
     x, wg, w1, w2 = bench.make_inputs(c["H"], c["F"], c["E"], c["k"], c["T"], routing)
     _, _, layer = bench.ours(x, wg, w1, w2, c["k"])
     _, _, einsum_forward = bench.gshard_einsum(x, wg, w1, w2, c["k"], cf=c["E"])   # capacity never binds
+    _, _, loop_forward = bench.argsort_loop(x, wg, w1, w2, c["k"])
     with torch.no_grad():
         y = layer(x)
         assert torch.allclose(y, einsum_forward(x), atol=1e-5, rtol=1e-4)
+        assert torch.allclose(y, loop_forward(x), atol=1e-5, rtol=1e-4)
     ids, _ = bench.route(x, wg, c["k"])
     counts = torch.bincount(ids.reshape(-1), minlength=c["E"]).float()
     skew = float(counts.max() / counts.mean())

@@ -9,9 +9,14 @@ Implementations (all compute the same function of the same x, router weight and 
   with the plugin's shims (skipped with a note if megatron-core is not installed).
 - ``gshard einsum CF=c``: GShard-style static dispatch with a dense [T, E, C] mask and einsums (what fairseq's moe
   branch and DeepSpeed-MoE do), written here for the comparison.
-- ``GEMM floor``: only the experts' own computation (fc1 -> activation -> fc2, one autograd graph per expert) on
-  pre-sorted contiguous token groups of exactly the sizes the router produced: no gate, no permutation.
+- ``expert floor``: only the experts' own work (fc1 -> gelu -> fc2 forward and backward, written out as GEMMs into
+  preallocated buffers, no autograd) on pre-sorted contiguous token groups of exactly the sizes the router
+  produced: no gate, no permutation, no combine. Nothing that computes the layer can be faster.
+- ``argsort + loop``: the plain reference (softmax top-k, argsort, gather, one autograd fc1 -> gelu -> fc2 per
+  expert, weighted index_add), forward and backward.
 - ``dense MLP``: the dense MLP with the same FLOPs (T tokens, hidden k*F).
+- ``part: gate`` / ``part: permutation`` / ``part: combine``: the layer's work outside the experts, each alone on
+  the same inputs (``parts``): where the time above the floor goes.
 
 Routing: ``balanced`` draws each token's k preferred experts uniformly, ``skewed`` from a Zipf(1.2) popularity;
 inputs are noise plus the preferred experts' router directions, so the router (a real softmax top-k over
@@ -87,22 +92,106 @@ def gshard_einsum(x, wg, w1, w2, k, cf):
     return step, nbytes, forward
 
 
-def gemm_floor(x, wg, w1, w2, k):
-    E, H, F_ = w1.shape
+class ExpertFloor:
+    """The experts' forward and backward written out as GEMMs into preallocated buffers (``expert_floor``):
+    ``floor()`` fills ``y``, ``dx``, ``dw1``, ``dw2`` for the rows ``xs`` (sorted by expert, ``counts`` per expert)
+    with the output gradient ``dy`` (ones)."""
+
+    def __init__(self, xs, counts, w1, w2):
+        n, (E, H, F_) = xs.shape[0], w1.shape
+        self.xs, self.w1, self.w2 = xs, w1, w2
+        self.h, self.a, self.da = (torch.empty(n, F_) for _ in range(3))
+        self.y, self.dx, self.dy = torch.empty(n, H), torch.empty(n, H), torch.ones(n, H)
+        self.dw1, self.dw2 = torch.zeros_like(w1), torch.zeros_like(w2)
+        ends = torch.tensor(counts).cumsum(0).tolist()
+        self.spans = [(e, ends[e] - counts[e], ends[e]) for e in range(E) if counts[e]]
+
+    def __call__(self) -> None:
+        w1, w2, dy = self.w1, self.w2, self.dy
+        for e, i, j in self.spans:
+            xe, he, ae, dae = self.xs[i:j], self.h[i:j], self.a[i:j], self.da[i:j]
+            torch.mm(xe, w1[e], out=he)
+            ae.copy_(F.gelu(he))
+            torch.mm(ae, w2[e], out=self.y[i:j])
+            torch.mm(ae.t(), dy[i:j], out=self.dw2[e])
+            torch.mm(dy[i:j], w2[e].t(), out=dae)
+            dh = torch.ops.aten.gelu_backward(dae, he)
+            torch.mm(xe.t(), dh, out=self.dw1[e])
+            torch.mm(dh, w1[e].t(), out=self.dx[i:j])
+
+
+def expert_floor(x, wg, w1, w2, k):
+    """The floor no layer can beat: the experts' own work on pre-sorted contiguous token groups of exactly the
+    router's sizes, with no autograd and no allocation (``ExpertFloor``): no gate, no permutation, no combine."""
+    E = w1.shape[0]
     ids, _ = route(x, wg, k)
     counts = torch.bincount(ids.reshape(-1), minlength=E).tolist()
-    xs = x[torch.argsort(ids.reshape(-1), stable=True) // k].clone().requires_grad_()
-    w1s = [w1[e].clone().requires_grad_() for e in range(E)]
-    w2s = [w2[e].clone().requires_grad_() for e in range(E)]
-    grad = torch.ones_like(xs)
+    xs = x[torch.argsort(ids.reshape(-1), stable=True) // k].contiguous()
+    return ExpertFloor(xs, counts, w1, w2), 0, counts
+
+
+def argsort_loop(x, wg, w1, w2, k):
+    """The plain reference a user writes: softmax top-k router, argsort of the expert ids, gather, one
+    fc1 -> gelu -> fc2 per expert under autograd, weighted scatter-add back; forward and backward of all of it."""
+    E, H, F_ = w1.shape
+    T = x.shape[0]
+    wg_, w1_, w2_ = (t.clone().requires_grad_() for t in (wg, w1, w2))
+    xin = x.clone().requires_grad_()
+    grad = torch.ones_like(x)
+
+    def forward(xv):
+        probs = torch.softmax(xv @ wg_.t(), -1)
+        top = torch.topk(probs, k, -1)
+        w = top.values / top.values.sum(-1, keepdim=True) if k > 1 else top.values
+        flat = top.indices.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        counts = torch.bincount(flat, minlength=E).tolist()
+        xs = xv[order // k]
+        outs = [F.gelu(part @ w1_[e]) @ w2_[e] for e, part in enumerate(xs.split(counts)) if part.shape[0]]
+        ys = torch.cat(outs) * w.reshape(-1)[order, None]
+        return torch.zeros(T, H, dtype=ys.dtype).index_add(0, order // k, ys)
 
     def step():
-        for p in w1s + w2s + [xs]:
+        for p in (wg_, w1_, w2_, xin):
             p.grad = None
-        outs = [F.gelu(part @ w1s[e]) @ w2s[e] for e, part in enumerate(xs.split(counts))]
-        torch.cat(outs).backward(grad)
+        forward(xin).backward(grad)
 
-    return step, 0, counts
+    return step, T * k * H * 4 * 2, forward
+
+
+def parts(x, wg, w1, w2, k) -> Dict[str, Callable[[], None]]:
+    """The layer's work outside the experts, each piece alone on the same inputs (forward and backward): where the
+    time above the expert floor goes. ``gate``: router logits, softmax, top-k and weights; ``permutation``: argsort
+    of the expert ids and the gather of the rows in expert order (its backward scatters the gradient back);
+    ``combine``: the weighted sum of each token's k expert outputs back into token order. (One process: no
+    exchange.)"""
+    E, H, F_ = w1.shape
+    T = x.shape[0]
+    ids, weights = route(x, wg, k)
+    order = torch.argsort(ids.reshape(-1), stable=True)
+    wg_, xin = wg.clone().requires_grad_(), x.clone().requires_grad_()
+    ys = torch.randn(T * k, H).requires_grad_()
+    wsorted = weights.reshape(-1)[order, None].contiguous()
+    gk, gx = torch.ones(T, k), torch.ones(T * k, H)
+    gout = torch.ones(T, H)
+
+    def gate():
+        wg_.grad = xin.grad = None
+        probs = torch.softmax(xin @ wg_.t(), -1)
+        top = torch.topk(probs, k, -1)
+        w = top.values / top.values.sum(-1, keepdim=True) if k > 1 else top.values
+        w.backward(gk)
+
+    def permutation():
+        xin.grad = None
+        o = torch.argsort(ids.reshape(-1), stable=True)
+        xin[o // k].backward(gx)
+
+    def combine():
+        ys.grad = None
+        torch.zeros(T, H).index_add(0, order // k, ys * wsorted).backward(gout)
+
+    return {"part: gate": gate, "part: permutation": permutation, "part: combine": combine}
 
 
 def dense_mlp(x, k, F_):
@@ -152,8 +241,10 @@ def run_config(name: str, routing: str, repeat: int, skip_gshard: bool = False, 
     x, wg, w1, w2 = make_inputs(H, F_, E, k, T, routing)
     impls, notes = {}, {}
 
-    floor_step, _, counts = gemm_floor(x, wg, w1, w2, k)
-    impls["GEMM floor"] = (floor_step, 0)
+    floor_step, _, counts = expert_floor(x, wg, w1, w2, k)
+    impls["expert floor"] = (floor_step, 0)
+    step, nbytes, _ = argsort_loop(x, wg, w1, w2, k)
+    impls["argsort + loop"] = (step, nbytes)
     step, nbytes, layer = ours(x, wg, w1, w2, k)
     impls["ours dropless"] = (step, nbytes)
     with torch.no_grad():
@@ -181,6 +272,8 @@ def run_config(name: str, routing: str, repeat: int, skip_gshard: bool = False, 
             impls[f"gshard einsum CF={cf:g}"] = (step, nbytes)
     step, _ = dense_mlp(x, k, F_)
     impls["dense MLP (same FLOPs)"] = (step, 0)
+    for part, fn in parts(x, wg, w1, w2, k).items():
+        impls[part] = (fn, 0)
     times = time_interleaved({n: f for n, (f, _) in impls.items()}, repeat, progress, f"config {name} {routing}")
     skew = max(counts) / (sum(counts) / len(counts))
     rows = [dict(config=name, routing=routing, impl=n, time=times[n], bytes=b, note="", max_over_mean=skew)
@@ -191,11 +284,12 @@ def run_config(name: str, routing: str, repeat: int, skip_gshard: bool = False, 
 
 
 def format_table(rows: List[dict]) -> str:
-    out = ["| config | routing | implementation | time (ms) | / GEMM floor | megatron / this | dispatch buffers |",
-           "|---|---|---|---:|---:|---:|---:|"]
+    out = ["| config | routing | implementation | time (ms) | / expert floor | / argsort + loop | megatron / this | dispatch buffers |",
+           "|---|---|---|---:|---:|---:|---:|---:|"]
     for (cfg, routing) in dict.fromkeys((r["config"], r["routing"]) for r in rows):
         group = [r for r in rows if r["config"] == cfg and r["routing"] == routing]
-        floor = next(r["time"] for r in group if r["impl"] == "GEMM floor")
+        floor = next(r["time"] for r in group if r["impl"] == "expert floor")
+        loop = next(r["time"] for r in group if r["impl"] == "argsort + loop")
         meg = next((r["time"] for r in group if r["impl"].startswith("megatron")), float("nan"))
         c = CONFIGS[cfg]
         label = f"{cfg}: H={c['H']} F={c['F']} E={c['E']} k={c['k']} T={c['T']}"
@@ -203,7 +297,8 @@ def format_table(rows: List[dict]) -> str:
             b = r["bytes"]
             size = "-" if not b else (f"{b / 2**20:.1f} MiB" if b < 2**30 else f"{b / 2**30:.2f} GiB")
             out.append(f"| {label} | {routing} (max/mean {r['max_over_mean']:.2f}) | {r['impl']} | "
-                       f"{r['time'] * 1e3:.1f} | {r['time'] / floor:.3f} | {meg / r['time']:.3f} | {size} |"
+                       f"{r['time'] * 1e3:.1f} | {r['time'] / floor:.3f} | {r['time'] / loop:.3f} | "
+                       f"{meg / r['time']:.3f} | {size} |"
                        + (f" {r['note']}" if r["note"] else ""))
     return "\n".join(out)
 
@@ -213,7 +308,7 @@ def targets(rows: List[dict]) -> List[str]:
     lines = []
     for (cfg, routing) in dict.fromkeys((r["config"], r["routing"]) for r in rows):
         g = {r["impl"]: r for r in rows if r["config"] == cfg and r["routing"] == routing}
-        o, fl = g["ours dropless"], g["GEMM floor"]
+        o, fl = g["ours dropless"], g["expert floor"]
         res = [f"floor ratio {o['time'] / fl['time']:.3f} (<=1.05: {'met' if o['time'] <= 1.05 * fl['time'] else 'MISSED'})"]
         if "megatron-core MoELayer" in g and not math.isnan(g["megatron-core MoELayer"]["time"]):
             s = g["megatron-core MoELayer"]["time"] / o["time"]
@@ -225,6 +320,11 @@ def targets(rows: List[dict]) -> List[str]:
                        f"(>=8: {'met' if m >= 8 else 'MISSED'})")
         d = g["dense MLP (same FLOPs)"]["time"] / o["time"]
         res.append(f"FLOP rate vs dense {100 * d:.0f}%")
+        if "argsort + loop" in g:
+            res.append(f"vs argsort + loop {g['argsort + loop']['time'] / o['time']:.2f}x")
+        above = o["time"] - fl["time"]
+        pieces = ", ".join(f"{n[len('part: '):]} {g[n]['time'] * 1e3:.1f}" for n in g if n.startswith("part: "))
+        res.append(f"ours - floor {above * 1e3:.1f} ms (alone: {pieces} ms)")
         lines.append(f"config {cfg} {routing}: " + "; ".join(res))
     return lines
 
