@@ -69,10 +69,14 @@ class _HotGate(Gate):
         return ids, torch.ones_like(ids, dtype=torch.bool)
 
 
-def _planners(rank, world, gate, cache, out):
+def _planners(rank, world, gate, cache, out, cgroups=None, share=None):
     os.environ["MEGAMOE_PROFILE_CACHE"] = cache
+    if cgroups:                               # a fixed-speed rank: into its own CPU cgroup, as megamoe cluster run does
+        with open(os.path.join(cgroups[rank], "cgroup.procs"), "w") as f:
+            f.write(str(os.getpid()))
+        os.environ["MEGAMOE_CPU_SHARE"] = f"{share:g}"
     acted = {}
-    for policy in ("flexmoe", "shadow"):
+    for policy in ("flexmoe", "shadow", "eplb"):
         torch.manual_seed(0)
         cfg = MoEConfig(num_experts=4, top_k=2, gate=gate, second_expert_policy="all", world_size=world,
                         expert_parallel_size=world, aux_loss_coeff=0.01, placement=policy)   # default profile: auto
@@ -96,14 +100,31 @@ def _planners(rank, world, gate, cache, out):
 
 
 @pytest.mark.slow
-def test_default_profile_planners_act_on_skew_and_idle_on_balance(tmp_path, single_process):
+@pytest.mark.parametrize("ranks", ["shared", "fixed-speed"])
+def test_default_profile_planners_act_on_skew_and_idle_on_balance(tmp_path, single_process, ranks):
+    """With the profile calibrated on the job itself (each rank in its own CPU cgroup at 0.45 core for
+    ``fixed-speed``, as on the emulated cluster), every planner acts on a routing as skewed as it gets and stays
+    idle on a balanced one."""
+    from megamoe_plugin.cluster import cpu_caps
     cache = str(tmp_path / "profiles")
+    caps = None
+    if ranks == "fixed-speed":
+        if cpu_caps.unavailable():
+            pytest.skip(cpu_caps.unavailable())
+        caps = cpu_caps.CpuCaps(f"test{os.getpid()}", [0.45, 0.45])
     got = {}
-    for gate in ("test_autoprofile_hot", "naive"):
-        out = str(tmp_path / f"{gate}.json")
-        run_distributed(_planners, 2, gate, cache, out)
-        got[gate] = json.loads(open(out).read())
+    try:
+        if caps is not None:
+            caps.create()
+        for gate in ("test_autoprofile_hot", "naive"):
+            out = str(tmp_path / f"{gate}.json")
+            run_distributed(_planners, 2, gate, cache, out, *([[caps.path(0), caps.path(1)], 0.45] if caps else []))
+            got[gate] = json.loads(open(out).read())
+    finally:
+        if caps is not None:
+            caps.destroy()
+            assert not cpu_caps.leftovers(f"test{os.getpid()}")
     skewed, balanced = got["test_autoprofile_hot"], got["naive"]
-    assert skewed["flexmoe"]["moves"] > 0 and skewed["shadow"]["shadowed"] > 0, got
-    assert balanced["flexmoe"]["moves"] == 0 and balanced["shadow"]["shadowed"] == 0, got
+    assert skewed["flexmoe"]["moves"] > 0 and skewed["shadow"]["shadowed"] > 0 and skewed["eplb"]["moves"] > 0, got
+    assert all(balanced[p]["moves"] == 0 and balanced[p]["shadowed"] == 0 for p in balanced), got
     assert all(v["calibrations"] == 1 for g in got.values() for v in g.values()), got
