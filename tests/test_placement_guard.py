@@ -69,3 +69,20 @@ def test_no_measurement_or_guard_off_keeps_everything():
     assert on.baseline(10) == 1.0                         # a first run at step 10 has 9 steps: judged on them
     on.record(None, 0.0, 1, [rt], [before], [()])
     assert on.check(1) is None
+
+
+def test_the_hook_says_how_many_steps_the_counts_cover():
+    """The layers' counts accumulate over every step since the policy last ran; the hook passes that number, so a
+    policy prices one step (not ``--moe-placement-interval`` steps as one) whatever the interval or the iteration a
+    run resumed at."""
+    import torch.nn as nn
+
+    from megamoe_plugin import MoEConfig
+    from megamoe_plugin.placement import AfterStepHook
+
+    seen = []
+    hook = AfterStepHook(MoEConfig(num_experts=4, placement_interval=3),
+                         policy=lambda ctx: seen.append((ctx.iteration, ctx.steps)))
+    for it in range(11, 19):                       # a run resumed after iteration 10
+        hook.run(nn.Linear(2, 2), None, it, moe_layers=[])
+    assert seen == [(12, 2), (15, 3), (18, 3)], seen
