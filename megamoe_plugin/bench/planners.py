@@ -16,7 +16,9 @@ Every rank is a fixed-speed device by default (``--cpu-share auto``: its own CPU
 ranks), so a loaded rank cannot borrow the cores its idle peers leave; ``--batch-size`` sets the tokens per rank per
 step (x 64).
 
-Per run: the measured step time (median of the log lines after the first), token efficiency (kept / routed),
+Per run: the measured step time (median of the log lines after the first; also the mean over the whole run, policy
+costs included: training seconds / steps; and the median of the second half: the steady state after the policies
+settled), token efficiency (kept / routed),
 expert efficiency (FlexMoE §5.4: useful expert rows over P x the busiest rank's rows, under the placement each step
 ran with), the balance ratio over time (Eq. 6, first and last quarter), moves and bytes moved, the validation loss
 at the end and the training time to a common target loss (the worst of the runs' best losses). With ``--balanced``
@@ -89,7 +91,6 @@ def _predicted_saving(placed: List[dict]) -> Optional[float]:
 def run_one(run: str, routing: List[str], steps: int, extra: List[str], inter: float, intra: Optional[float],
             out: str, port: int, batch_size: int = 8, cpu_shares=None, seed: int = 0) -> dict:
     """Train ``run`` (``megamoe train`` with ``extra`` flags) on the 2 x 2 emulated cluster; its measured row."""
-    from ..stats import load_trace
     os.makedirs(out, exist_ok=True)
     t0 = time.time()
     code = run_job(_flags(extra, routing, steps, out, batch_size, seed), 2, 2, inter, intra,
@@ -97,6 +98,12 @@ def run_one(run: str, routing: List[str], steps: int, extra: List[str], inter: f
                    say=lambda t: None, cpu_shares=cpu_shares)
     if code:
         raise RuntimeError(f"{run}: megamoe train exited with {code} (logs: {out}/logs)")
+    return dict(read_run(run, out, batch_size, seed), wall_seconds=time.time() - t0)
+
+
+def read_run(run: str, out: str, batch_size: int, seed: int = 0) -> dict:
+    """The measured row of a finished run from its folder (metrics.json, trace, logs/network.json)."""
+    from ..stats import load_trace
     with open(os.path.join(out, "metrics.json")) as f:
         m = json.load(f)
     with open(os.path.join(out, "logs", "network.json")) as f:
@@ -111,7 +118,10 @@ def run_one(run: str, routing: List[str], steps: int, extra: List[str], inter: f
     drop = [s["dropped_fraction"] for h in m["history"] for s in h["moe"].values()]
     step_times = [4 * batch_size * 64 / h["tokens_per_s"] for h in m["history"][1:]]
     expert_eff = [p["expert_efficiency"] for p in placed if "expert_efficiency" in p] or [e for _, e in last]
-    return {"run": run, "step_seconds": statistics.median(step_times), "final_valid_loss": m["evals"][-1]["loss"],
+    return {"run": run, "step_seconds": statistics.median(step_times),
+            "mean_step_seconds": m["train_seconds"] / max(m["step"], 1),
+            "late_step_seconds": statistics.median(step_times[len(step_times) // 2:]),
+            "final_valid_loss": m["evals"][-1]["loss"],
             "evals": m["evals"], "token_efficiency": 1.0 - (sum(drop) / len(drop) if drop else 0.0),
             "expert_efficiency": sum(expert_eff[-max(len(expert_eff) // 4, 1):]) / max(len(expert_eff[-max(len(expert_eff) // 4, 1):]), 1),
             "balance_first": sum(b for b, _ in first) / len(first), "balance_last": sum(b for b, _ in last) / len(last),
@@ -122,8 +132,7 @@ def run_one(run: str, routing: List[str], steps: int, extra: List[str], inter: f
             "bytes_moved_last": placed[-1].get("bytes_moved", 0.0) if placed else 0.0,
             "bytes_moved_total": max([p.get("bytes_moved_total", 0.0) for p in placed] + [0.0]),
             "predicted_saving_s": _predicted_saving(placed),
-            "link_bytes_per_step": link_bytes / m["step"], "seed": seed,
-            "wall_seconds": time.time() - t0, "routed_lines": routed}
+            "link_bytes_per_step": link_bytes / m["step"], "seed": seed, "routed_lines": routed}
 
 
 def _skewed(aux_loss: float) -> List[str]:
@@ -136,8 +145,9 @@ def _summarise(rounds: List[dict]) -> dict:
     rest from the round with the median step."""
     by_step = sorted(rounds, key=lambda r: r["step_seconds"])
     row = dict(by_step[len(by_step) // 2])
-    row["step_seconds_rounds"] = [r["step_seconds"] for r in rounds]
-    row["step_seconds"] = statistics.median(row["step_seconds_rounds"])
+    for key in ("step_seconds", "mean_step_seconds", "late_step_seconds"):
+        row[f"{key}_rounds"] = [r[key] for r in rounds]
+        row[key] = statistics.median(row[f"{key}_rounds"])
     ttt = [r["time_to_target"] for r in rounds if r.get("time_to_target") is not None]
     row["time_to_target_rounds"] = [r.get("time_to_target") for r in rounds]
     row["time_to_target"] = statistics.median(ttt) if len(ttt) == len(rounds) else None
@@ -151,6 +161,8 @@ def _predicted_vs_measured(rows: List[dict]) -> None:
     static = next((r for r in rows if r["run"] == "static"), None)
     for r in rows:
         r["measured_speedup"] = static["step_seconds"] / r["step_seconds"] if static else None
+        r["mean_speedup"] = static["mean_step_seconds"] / r["mean_step_seconds"] if static else None
+        r["late_speedup"] = static["late_step_seconds"] / r["late_step_seconds"] if static else None
         saving = r.get("predicted_saving_s")
         r["predicted_speedup"] = (static["step_seconds"] / max(static["step_seconds"] - saving, 1e-9)
                                   if static and saving is not None else None)
@@ -174,7 +186,11 @@ def main(argv: Optional[List[str]] = None) -> dict:
     p.add_argument("--cpu-share", default="auto", help="each rank's CPU share in cores (megamoe cluster run "
                    "--cpu-share): auto, off, one value or one per rank")
     p.add_argument("--out", default="results/bench_planners")
+    p.add_argument("--report-only", action="store_true", help="run nothing: summarise the runs already in --out "
+                   "(its <cell>/round<k>/<run> folders) with this version's columns")
     args = p.parse_args(argv)
+    if args.report_only:
+        return report_only(args.out)
     why = netns.unavailable()
     if why:
         raise SystemExit(f"megamoe bench planners: {why}")
@@ -218,9 +234,7 @@ def main(argv: Optional[List[str]] = None) -> dict:
                     for r in done:
                         r["target_loss"], r["time_to_target"] = target, time_to(r["evals"], target)
                         per_run[r["run"]].append(r)
-                rows = [_summarise(per_run[r]) for r in runs]
-                _predicted_vs_measured(rows)
-                cell["rows"] = rows
+                cell["rows"] = _finish_cell(per_run, runs)
                 cells.append(cell)
     # "cluster": the first cell's rows by routing, the shape `megamoe reproduce flexmoe --cluster-results` reads
     first = cells[0]
@@ -239,9 +253,58 @@ def main(argv: Optional[List[str]] = None) -> dict:
     return results
 
 
+def _finish_cell(per_run: Dict[str, list], runs: List[str]) -> List[dict]:
+    rows = [_summarise(per_run[r]) for r in runs if per_run.get(r)]
+    _predicted_vs_measured(rows)
+    return rows
+
+
+def report_only(out: str) -> dict:
+    """Summarise the run folders under ``out`` (``t<tokens>_bw<MB/s>_<routing>/round<k>/<run>``) without running
+    anything; results.json is rewritten with this version's columns."""
+    import re
+    old = {}
+    if os.path.exists(os.path.join(out, "results.json")):
+        with open(os.path.join(out, "results.json")) as f:
+            old = json.load(f).get("setup", {})
+    cells = []
+    for tag in sorted(os.listdir(out), key=lambda t: (-int(t[1:].split("_")[0]) if t[1:].split("_")[0].isdigit()
+                                                      else 0, t)):
+        found = re.fullmatch(r"t(\d+)_bw([0-9.]+)_(.+)", tag)
+        if not found or not os.path.isdir(os.path.join(out, tag)):
+            continue
+        tokens, bw, label = int(found[1]), float(found[2]) * 1e6, found[3].replace("_", " ")
+        per_run: Dict[str, list] = {}
+        rounds = sorted(d for d in os.listdir(os.path.join(out, tag)) if d.startswith("round"))
+        for rnd in rounds:
+            done = []
+            for run in RUNS:
+                d = os.path.join(out, tag, rnd, run)
+                if os.path.exists(os.path.join(d, "metrics.json")):
+                    done.append(read_run(run, d, tokens // 64))
+            if not done:
+                continue
+            target = max(min(e["loss"] for e in r["evals"]) for r in done)
+            for r in done:
+                r["target_loss"], r["time_to_target"] = target, time_to(r["evals"], target)
+                per_run.setdefault(r["run"], []).append(r)
+        cells.append({"tokens_per_rank": tokens, "batch_size": tokens // 64, "inter_node_bandwidth": bw,
+                      "routing": label, "rows": _finish_cell(per_run, [r for r in RUNS if r in per_run])})
+    first = cells[0]
+    results = {"setup": dict(old, report_only=True), "cells": cells,
+               "cluster": {c["routing"]: c["rows"] for c in cells
+                           if (c["batch_size"], c["inter_node_bandwidth"]) == (first["batch_size"],
+                                                                            first["inter_node_bandwidth"])}}
+    with open(os.path.join(out, "results.json"), "w") as f:
+        json.dump(results, f, indent=1)
+    print(format_results(results), flush=True)
+    return results
+
+
 def format_results(results: dict) -> str:
-    lines = [f"{'tokens':>6} {'inter':>7} {'routing':<15} {'run':<9} {'step ms':>8} {'measured':>8} {'predicted':>9} "
-             f"{'tok eff':>7} {'exp eff':>7} {'moves':>6} {'MB moved':>8} {'valid loss':>10} {'to target':>9}"]
+    lines = [f"{'tokens':>6} {'inter':>7} {'routing':<15} {'run':<11} {'step ms':>8} {'measured':>8} {'mean':>6} "
+             f"{'late':>6} {'predicted':>9} {'tok eff':>7} {'exp eff':>7} {'moves':>6} {'MB moved':>8} {'valid loss':>10} "
+             f"{'to target':>9}"]
     cells = results.get("cells") or [{"tokens_per_rank": results.get("setup", {}).get("tokens_per_rank", 0),
                                        "inter_node_bandwidth": results.get("setup", {}).get("inter_node_bandwidth", 0),
                                        "routing": label, "rows": rows}
@@ -251,9 +314,11 @@ def format_results(results: dict) -> str:
             ttt = f"{r['time_to_target']:.1f}s" if r.get("time_to_target") is not None else "-"
             ms = r.get("measured_speedup")
             ps = r.get("predicted_speedup")
+            mean, late = r.get("mean_speedup"), r.get("late_speedup")
             lines.append(f"{c['tokens_per_rank']:>6} {(c['inter_node_bandwidth'] or 0) / 1e6:>4.0f}MB/s "
-                         f"{c['routing']:<15} {r['run']:<9} {r['step_seconds'] * 1e3:>8.0f} "
-                         f"{(f'{ms:.2f}x' if ms else '-'):>8} {(f'{ps:.2f}x' if ps else '-'):>9} "
+                         f"{c['routing']:<15} {r['run']:<11} {r['step_seconds'] * 1e3:>8.0f} "
+                         f"{(f'{ms:.2f}x' if ms else '-'):>8} {(f'{mean:.2f}x' if mean else '-'):>6} "
+                         f"{(f'{late:.2f}x' if late else '-'):>6} {(f'{ps:.2f}x' if ps else '-'):>9} "
                          f"{r['token_efficiency']:>7.3f} {r['expert_efficiency']:>7.3f} {r['moves']:>6.0f} "
                          f"{r.get('bytes_moved_total', 0.0) / 1e6:>8.1f} {r['final_valid_loss']:>10.4f} {ttt:>9}")
     return "\n".join(lines)
