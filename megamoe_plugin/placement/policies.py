@@ -170,6 +170,8 @@ class _Policy:
         measured = None
         if self._clock is not None and self._last_iteration is not None and ctx.iteration > self._last_iteration:
             measured = (now - self._clock) / (ctx.iteration - self._last_iteration)
+        # the slowest rank's: every decision taken from it (re-calibrating on drift) must be the same on every rank
+        measured = job_max(measured)
         every = self.cfg.placement_every
         verdict = self.guard.check(every)            # the last change, judged on the steps after it
         undo = verdict if isinstance(verdict, list) else None
