@@ -116,3 +116,24 @@ def test_inference_eplb_placement_by_hand():
     assert eplb_placement(loads, 4, nodes=1) == greedy_placement(loads, 4)     # one node, no redundancy: greedy
     with pytest.raises(ValueError):
         eplb_placement(loads, 4, nodes=3)
+
+
+def test_eplb_keeps_a_table_only_above_the_minimum_predicted_gain():
+    """The same load and cost model: a table predicted to save a little is kept with min_gain 0 and dropped when the
+    saving is below min_gain of the step (the policies' 5%: gains within the model's error do not pay a move)."""
+    from megamoe_plugin.perfmodel.cost import LayerShape
+    from megamoe_plugin.perfmodel.profiles import get_profile
+    from megamoe_plugin.placement import PlacementState
+    from megamoe_plugin.placement.eplb import EPLBPlanner
+
+    profile = get_profile("flexmoe-a100")
+    profile.gemm_tflops = 1e-3                       # compute dominates: balancing can pay
+    cm = profile.cost_model(LayerShape(64, 128, 4), world_size=2)
+    state = PlacementState(4, 2, 3, max_replicas_per_rank=1)
+    counts = torch.tensor([[600.0, 250.0, 100.0, 50.0]] * 2)         # expert 0 hot: a replica saves ~30%
+    eager = EPLBPlanner(cm, horizon=1e9)
+    moves = eager.plan(state, counts)
+    gain = 1 - eager.last["time_after"] / eager.last["time_before"]
+    assert moves and 0 < gain < 0.5, eager.last
+    strict = EPLBPlanner(cm, horizon=1e9, min_gain=min(0.99, gain * 1.5))
+    assert strict.plan(state, counts) == [] and strict.last["moves"] == 0

@@ -371,3 +371,26 @@ def test_bench_placement_runs_and_labels_predictions(capsys):
     assert labels[0] == "static EP" and any(l.startswith("FlexMoE") for l in labels)
     assert any(l.startswith("shadowing") for l in labels)
     assert r["rows"][0]["speedup"] == 1.0 and all(row["mean_total"] > 0 for row in r["rows"])
+
+
+def test_flexmoe_keeps_a_plan_only_above_the_minimum_predicted_gain():
+    """FlexMoE on one hot expert: the plan it keeps with min_gain 0 predicts a saving g; with min_gain above g the
+    same counts give no move at all (the policies use 5%: gains within the cost model's error do not pay)."""
+    from megamoe_plugin.perfmodel.cost import LayerShape
+    from megamoe_plugin.perfmodel.profiles import get_profile
+    from megamoe_plugin.placement import PlacementState
+    from megamoe_plugin.placement.flexmoe import FlexMoEPlanner
+
+    profile = get_profile("flexmoe-a100")
+    profile.gemm_tflops = 1e-3                       # compute dominates: balancing can pay
+    cm = profile.cost_model(LayerShape(64, 128, 4), world_size=2)
+    state = PlacementState(4, 2, 3, max_replicas_per_rank=1)
+    counts = torch.tensor([[600.0, 250.0, 100.0, 50.0]] * 2)
+    eager = FlexMoEPlanner(cm, threshold=1.0, horizon=1e9, migrate=False)
+    assert eager.plan(state, counts)
+    gain = 1 - eager.last["time_after"] / eager.last["time_before"]
+    assert 0.05 < gain < 0.6, eager.last
+    strict = FlexMoEPlanner(cm, threshold=1.0, horizon=1e9, migrate=False, min_gain=gain * 1.2)
+    assert strict.plan(state, counts) == []
+    with pytest.raises(ValueError, match="min_gain"):
+        FlexMoEPlanner(cm, min_gain=1.0)

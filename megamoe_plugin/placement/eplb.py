@@ -186,12 +186,17 @@ class EPLBPlanner:
     cost_model: a ``perfmodel.cost.CostModel`` (its network gives the nodes, its shape the bytes of a move).
     decay: weight of the history in the moving average of the counts (0: the last counts only).
     horizon: steps over which a change's transfer time is amortised (the rerun interval).
+    min_gain: a new table is kept only when it predicts at least this fraction of the layer's step saved, net of
+    its transfers (the policy uses 5%: smaller gains are within the cost model's error).
     ``last`` after a call: triggered, time_before / time_after (predicted s of a layer step), transfer_time,
     moves."""
 
-    def __init__(self, cost_model, decay: float = 0.5, horizon: float = 10.0, nodes=None):
+    def __init__(self, cost_model, decay: float = 0.5, horizon: float = 10.0, nodes=None, min_gain: float = 0.0):
         if not 0.0 <= decay < 1.0:
             raise ValueError(f"decay must be in [0, 1), got {decay}")
+        if not 0.0 <= min_gain < 1.0:
+            raise ValueError(f"min_gain must be in [0, 1), got {min_gain}")
+        self.min_gain = float(min_gain)
         self.cm = cost_model
         self.decay = float(decay)
         self.horizon = float(horizon)
@@ -211,7 +216,7 @@ class EPLBPlanner:
         before = self.cm.layer_time(self.average, state.placement()).total
         after = self.cm.layer_time(self.average, trial.placement()).total
         transfer = sum(self.cm.move_time(m.nbytes, m.src, m.dst) for m in moves if m.communicates)
-        pays = bool(moves) and after + transfer / self.horizon < before
+        pays = bool(moves) and after + transfer / self.horizon < before * (1.0 - self.min_gain)
         self.last = {"triggered": pays, "time_before": before, "time_after": after if pays else before,
                      "transfer_time": transfer if pays else 0.0, "moves": len(moves) if pays else 0}
         return moves if pays else []

@@ -37,6 +37,9 @@ on the topology) + T_Sync (Eq. 9); see ``perfmodel.cost``):
    all replicas on one node); the ``candidate_ranks`` largest synchronisation savings are scored like the above
    (full predicted time + transfer / horizon) and the best kept if it beats t0; repeat.
 
+``min_gain``: a plan (and each Migrate) is kept only when it predicts at least this fraction of the layer's step
+saved, transfers included: gains within the cost model's error are not worth a move (the policies use 5%).
+
 ``horizon``: the number of steps over which a move's transfer is paid back (1 = it must pay for itself within one
 step, the literal "Eq. 5 + move time"; the hook's interval is a natural larger value when the placement is kept
 that long). Deterministic: same state + counts -> same moves on every rank.
@@ -87,7 +90,7 @@ class FlexMoEPlanner:
 
     def __init__(self, cost_model, threshold: float = 1.2, max_moves: int = 16, horizon: float = 1.0,
                  candidate_ranks: Optional[int] = 4, migrate: bool = True, state_bytes: Optional[int] = None,
-                 lookahead: int = 4, bottleneck_experts: int = 2):
+                 lookahead: int = 4, bottleneck_experts: int = 2, min_gain: float = 0.0):
         if threshold < 1.0:
             raise ValueError(f"threshold must be >= 1 (the balance ratio is >= 1), got {threshold}")
         if max_moves < 0:
@@ -108,6 +111,9 @@ class FlexMoEPlanner:
             raise ValueError(f"lookahead must be >= 0, got {lookahead}")
         self.lookahead = int(lookahead)
         self.bottleneck_experts = int(bottleneck_experts)
+        if not 0.0 <= min_gain < 1.0:
+            raise ValueError(f"min_gain must be in [0, 1), got {min_gain}")
+        self.min_gain = float(min_gain)
         self._sync_cache: Dict[int, Dict[Tuple[int, ...], float]] = {}   # id(cost model) -> group -> Eq. 9
         self.last: dict = {}          # what the last plan() saw and predicted (for logging)
 
@@ -146,13 +152,15 @@ class FlexMoEPlanner:
                 stale += 1
                 if stale > self.lookahead:
                     break
+        if best_len and best_t > t0 * (1.0 - self.min_gain):     # a predicted gain within the model's error
+            best_len, best_state, best_transfer = 0, state.copy(), 0.0
         moves, s = moves[:best_len], best_state
         info["transfer_time"] = best_transfer
         t0 = self._time(cm, s, c)
         if self.migrate:
             while len(moves) < self.max_moves:
                 step = self._best(cm, s, c, self._migrate_candidates(cm, s, nbytes), self.max_moves - len(moves))
-                if step is None or step[0] >= t0 * (1.0 - 1e-9):
+                if step is None or step[0] >= t0 * (1.0 - max(self.min_gain, 1e-9)):
                     break
                 _, s, t0, new, transfer = step
                 moves += new

@@ -56,9 +56,11 @@ from .runtime import apply_placement, group_cache
 
 __all__ = ["EPLBPolicy", "FlexMoEPolicy", "ShadowPolicy", "global_counts"]
 
-# shadow an expert only when the model predicts it saves at least this fraction of the layer step: the
-# calibrated model's error on a step is about 10% (docs/cluster.md), so smaller predicted gains are noise
-SHADOW_MIN_GAIN = 0.05
+# change the placement (shadow an expert, keep a FlexMoE plan or an EPLB table) only when the model predicts it
+# saves at least this fraction of the layer step, transfers included: the calibrated model's error on a step is
+# about 10% (docs/cluster.md), so smaller predicted gains are noise (measured: at 512 tokens per rank FlexMoE and
+# EPLB kept changes predicted to save 1-3% and lost 8-11% per step)
+MIN_PREDICTED_GAIN = 0.05
 
 
 def global_counts(rt) -> torch.Tensor:
@@ -289,7 +291,8 @@ class FlexMoEPolicy(_ReplicaPolicy):
         if key not in self._planners:
             self._planners[key] = FlexMoEPlanner(cm, threshold=self.cfg.placement_threshold,
                                                  max_moves=self.cfg.placement_max_moves,
-                                                 horizon=float(self.cfg.placement_every))
+                                                 horizon=float(self.cfg.placement_every),
+                                                 min_gain=MIN_PREDICTED_GAIN)
         return self._planners[key].plan(rt.state, counts), None
 
 
@@ -301,7 +304,7 @@ class ShadowPolicy(_Policy):
     def decide(self, key, cm, rt, counts):
         from .shadow import ShadowPlanner
         if key not in self._planners:
-            self._planners[key] = ShadowPlanner(cm, min_gain=SHADOW_MIN_GAIN)
+            self._planners[key] = ShadowPlanner(cm, min_gain=MIN_PREDICTED_GAIN)
         return [], ShadowPlanner.plan(self._planners[key], rt.state, counts)
 
 
@@ -314,5 +317,6 @@ class EPLBPolicy(_ReplicaPolicy):
     def decide(self, key, cm, rt, counts):
         from .eplb import EPLBPlanner
         if key not in self._planners:
-            self._planners[key] = EPLBPlanner(cm, horizon=float(self.cfg.placement_every))
+            self._planners[key] = EPLBPlanner(cm, horizon=float(self.cfg.placement_every),
+                                              min_gain=MIN_PREDICTED_GAIN)
         return self._planners[key].plan(rt.state, counts), None
