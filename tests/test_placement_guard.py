@@ -86,3 +86,22 @@ def test_the_hook_says_how_many_steps_the_counts_cover():
     for it in range(11, 19):                       # a run resumed after iteration 10
         hook.run(nn.Linear(2, 2), None, it, moe_layers=[])
     assert seen == [(12, 2), (15, 3), (18, 3)], seen
+
+
+def test_changes_that_add_up_to_a_loss_return_to_the_original_placement():
+    """Each change is within the margin of the steps just before it, but together they run 6% slower than the
+    original placement: the third verdict goes back to the original slot table, not to the second change's."""
+    guard = PayoffGuard(margin=0.03)
+    rt, start = _changed_runtime()                        # rt now holds change 1 (made from `start`)
+    guard.record(1.00, 0.0, 1, [rt], [start], [()])
+    _steps(guard, 1.02, 1.02, 1.02)                       # +2%: kept
+    assert guard.check(1) is None and guard.reference == 1.00
+    second = rt.state.copy()
+    rt.state.expand(1, 3)                                 # change 2, made from change 1
+    guard.record(1.02, 0.0, 1, [rt], [second], [()])
+    _steps(guard, 1.04, 1.04, 1.04)                       # +2% on the last, +4% on the start: back to the start
+    undo = guard.check(1)
+    assert isinstance(undo, list) and guard.returned == 1
+    (_, moves, shadow), = undo
+    restored = rt.state.copy().apply(moves)
+    assert restored == start and shadow == ()

@@ -33,7 +33,7 @@ steps' routing under the placement they ran with), ``balance_ratio_next`` (the s
 placement), ``token_efficiency`` (kept / routed assignments), ``expert_efficiency`` (useful expert rows / (P x
 the busiest rank's rows)), ``replicas`` (vExperts beyond one per expert, shadow copies included), ``shadowed``,
 ``moves``, ``bytes_moved`` (model-state bytes sent by the group's ranks), ``changes_kept`` / ``changes_undone``
-(the guard's verdicts so far), ``predicted_step_s`` (the cost model's MoE-layer time of one step with the last
+(the guard's verdicts so far; ``returned_to_start``: undos that went back to the original placement), ``predicted_step_s`` (the cost model's MoE-layer time of one step with the last
 steps' mean counts under the placement they ran with, summed over layers), ``predicted_static_step_s`` (the same
 counts under static contiguous experts: the two give the model's predicted saving per step), ``shadow_wait_s``
 (seconds per step the forwards waited for the shadowed experts' prefetched copies: the part of their broadcasts not
@@ -266,6 +266,7 @@ class _Policy:
             "bytes_moved": float(group_bytes), "predicted_step_s": predicted,
             "calibrations": float(self.calibrations),
             "changes_kept": float(self.guard.kept), "changes_undone": float(self.guard.undone),
+            "returned_to_start": float(self.guard.returned),
         }
         if measured is not None:
             self.metrics["measured_step_s"] = measured
