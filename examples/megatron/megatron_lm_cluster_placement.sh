@@ -32,7 +32,8 @@ ARGS=(--distributed-backend gloo --transformer-impl local --no-gradient-accumula
       --train-iters "$ITERS" --lr 3e-3 --min-lr 3e-4 --lr-decay-style cosine --lr-warmup-iters 5
       --eval-interval "$ITERS" --eval-iters 4 --log-interval 1 --attention-dropout 0 --hidden-dropout 0
       --num-experts 16 --moe-ffn-hidden-size 512 --ffn-hidden-size 512 --moe-router-topk 1
-      --moe-aux-loss-coeff 0 --expert-model-parallel-size 4 --moe-plugin --moe-plugin-gate switch)
+      --moe-aux-loss-coeff 0 --moe-router-pre-softmax --expert-model-parallel-size 4 --moe-plugin
+      --moe-plugin-gate switch)
 
 for round in $(seq 1 "$ROUNDS"); do
   for run in $RUNS; do
