@@ -57,7 +57,8 @@ med = {}
 for run in runs:
     per_round, last = [], None
     for r in range(1, rounds + 1):
-        text = open(f"{out}/round{r}-{run}.log", errors="replace").read()
+        # Megatron-LM prints its iteration lines on the last rank
+        text = open(f"{out}/round{r}-{run}-logs/rank3.log", errors="replace").read()
         rows = [(int(i), float(ms), float(loss)) for i, ms, loss in it.findall(text)]
         per_round.append(statistics.median(ms for i, ms, _ in rows if i > 1))
         last = rows[-1][2]
