@@ -54,14 +54,32 @@ def megatron(x, wg, w1, w2, k):
     return step, nbytes, layer
 
 
+def _autograd_step(x, weights, make_forward):
+    """Leaf copies of ``x`` and ``weights``, the forward ``make_forward(*weight copies)`` returns, and a callable
+    running one forward+backward of it (gradients reset each time): (step, forward)."""
+    leaves = [t.clone().requires_grad_() for t in weights]
+    xin = x.clone().requires_grad_()
+    grad = torch.ones_like(x)
+    forward = make_forward(*leaves)
+
+    def step():
+        for p in (*leaves, xin):
+            p.grad = None
+        forward(xin).backward(grad)
+
+    return step, forward
+
+
 def gshard_einsum(x, wg, w1, w2, k, cf):
     E, H, F_ = w1.shape
     T = x.shape[0]
     C = max(int(math.ceil(cf * T * k / E)), 1)
-    wg_, w1_, w2_ = (t.clone().requires_grad_() for t in (wg, w1, w2))
-    xin = x.clone().requires_grad_()
-    grad = torch.ones_like(x)
+    step, forward = _autograd_step(x, (wg, w1, w2), lambda wg_, w1_, w2_: _gshard_forward(wg_, w1_, w2_, k, T, E, C))
+    nbytes = 2 * T * E * C * 4 + 2 * E * C * H * 4     # combine + dispatch masks, expert in/out buffers
+    return step, nbytes, forward
 
+
+def _gshard_forward(wg_, w1_, w2_, k, T, E, C):
     def forward(xv):
         # fairseq moe-branch / GShard top-k gating: masks [T, E], locations by cumsum, one-hot slots, [T, E, C]
         probs = torch.softmax(xv @ wg_.t(), -1)
@@ -83,13 +101,7 @@ def gshard_einsum(x, wg, w1, w2, k, cf):
         out = torch.einsum("ecf,efh->ech", h, w2_)
         return torch.einsum("tec,ech->th", combine, out)
 
-    def step():
-        for p in (wg_, w1_, w2_, xin):
-            p.grad = None
-        forward(xin).backward(grad)
-
-    nbytes = 2 * T * E * C * 4 + 2 * E * C * H * 4     # combine + dispatch masks, expert in/out buffers
-    return step, nbytes, forward
+    return forward
 
 
 class ExpertFloor:
@@ -135,10 +147,11 @@ def argsort_loop(x, wg, w1, w2, k):
     fc1 -> gelu -> fc2 per expert under autograd, weighted scatter-add back; forward and backward of all of it."""
     E, H, F_ = w1.shape
     T = x.shape[0]
-    wg_, w1_, w2_ = (t.clone().requires_grad_() for t in (wg, w1, w2))
-    xin = x.clone().requires_grad_()
-    grad = torch.ones_like(x)
+    step, forward = _autograd_step(x, (wg, w1, w2), lambda wg_, w1_, w2_: _loop_forward(wg_, w1_, w2_, k, T, E, H))
+    return step, T * k * H * 4 * 2, forward
 
+
+def _loop_forward(wg_, w1_, w2_, k, T, E, H):
     def forward(xv):
         probs = torch.softmax(xv @ wg_.t(), -1)
         top = torch.topk(probs, k, -1)
@@ -151,12 +164,7 @@ def argsort_loop(x, wg, w1, w2, k):
         ys = torch.cat(outs) * w.reshape(-1)[order, None]
         return torch.zeros(T, H, dtype=ys.dtype).index_add(0, order // k, ys)
 
-    def step():
-        for p in (wg_, w1_, w2_, xin):
-            p.grad = None
-        forward(xin).backward(grad)
-
-    return step, T * k * H * 4 * 2, forward
+    return forward
 
 
 def parts(x, wg, w1, w2, k) -> Dict[str, Callable[[], None]]:
