@@ -103,8 +103,8 @@ def _planners(rank, world, gate, cache, out, cgroups=None, share=None):
 @pytest.mark.parametrize("ranks", ["shared", "fixed-speed"])
 def test_default_profile_planners_act_on_skew_and_idle_on_balance(tmp_path, single_process, ranks):
     """With the profile calibrated on the job itself (each rank in its own CPU cgroup at 0.45 core for
-    ``fixed-speed``, as on the emulated cluster), every planner acts on a routing as skewed as it gets and stays
-    idle on a balanced one."""
+    ``fixed-speed``, as on the emulated cluster), FlexMoE and shadowing act on a routing as skewed as it gets, and
+    every planner (EPLB too) stays idle on a balanced one."""
     from megamoe_plugin.cluster import cpu_caps
     cache = str(tmp_path / "profiles")
     caps = None
@@ -125,6 +125,9 @@ def test_default_profile_planners_act_on_skew_and_idle_on_balance(tmp_path, sing
             caps.destroy()
             assert not cpu_caps.leftovers(f"test{os.getpid()}")
     skewed, balanced = got["test_autoprofile_hot"], got["naive"]
-    assert skewed["flexmoe"]["moves"] > 0 and skewed["shadow"]["shadowed"] > 0 and skewed["eplb"]["moves"] > 0, got
+    # (EPLB's best table here, 2 ranks of 3 slots, saves a quarter of the compute at most: whether that clears the
+    # 5% minimum gain depends on the calibrated overhead, so only its idleness is checked; it acts in test_eplb and
+    # test_placement_runtime)
+    assert skewed["flexmoe"]["moves"] > 0 and skewed["shadow"]["shadowed"] > 0, got
     assert all(balanced[p]["moves"] == 0 and balanced[p]["shadowed"] == 0 for p in balanced), got
     assert all(v["calibrations"] == 1 for g in got.values() for v in g.values()), got

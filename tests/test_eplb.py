@@ -137,3 +137,24 @@ def test_eplb_keeps_a_table_only_above_the_minimum_predicted_gain():
     assert moves and 0 < gain < 0.5, eager.last
     strict = EPLBPlanner(cm, horizon=1e9, min_gain=min(0.99, gain * 1.5))
     assert strict.plan(state, counts) == [] and strict.last["moves"] == 0
+
+
+def test_replicas_are_packed_first_and_the_planner_falls_back_to_global_packing():
+    """Loads where heaviest-first packing strands an expert's second replica (the only rank with room already holds
+    its first): replicas go first, so every rank holds distinct experts. A node split that cannot hold its share
+    (2 nodes of one 3-slot rank for 2 experts each) falls back to packing over all ranks instead of failing."""
+    from megamoe_plugin.perfmodel.cost import LayerShape
+    from megamoe_plugin.perfmodel.profiles import get_profile
+    from megamoe_plugin.placement import PlacementState
+    from megamoe_plugin.placement.eplb import EPLBPlanner, eplb_table
+
+    table = eplb_table([72.2, 86.2, 72.5, 100.0], [[0, 1]], 3)           # expert 3 gets the redundant slot
+    assert sorted(e for row in table for e in row) == [0, 1, 2, 3, 3]
+    assert all(len(set(row)) == len(row) for row in table) and sorted(map(len, table)) == [2, 3]
+    profile = get_profile("flexmoe-a100")
+    profile.gemm_tflops = 1e-3
+    cm = profile.cost_model(LayerShape(64, 128, 4), world_size=2)
+    planner = EPLBPlanner(cm, horizon=1e9, nodes=[[0], [1]])
+    moves = planner.plan(PlacementState(4, 2, 3, max_replicas_per_rank=1),
+                         torch.tensor([[600.0, 250.0, 100.0, 50.0]] * 2))
+    assert moves and planner.last["moves"] == len(moves)

@@ -49,10 +49,14 @@ def replicate_by_load(load: Sequence[float], slots: int, max_replicas: Optional[
 def balanced_packing(weights: Sequence[float], capacities: Sequence[int],
                      labels: Optional[Sequence[int]] = None) -> List[int]:
     """The pack of each item: heaviest first (ties: lower index), each to the lightest pack (ties: lower pack) that
-    still has room (``capacities[p]`` items) and, with ``labels``, holds no item of the same label yet."""
+    still has room (``capacities[p]`` items) and, with ``labels``, holds no item of the same label yet. With labels,
+    the items whose label repeats (an expert's replicas) go first, heaviest first: placed last, they could find the
+    only packs with room already holding their expert."""
     if len(weights) != sum(capacities):
         raise ValueError(f"{len(weights)} items do not fill packs of {list(capacities)}")
-    order = sorted(range(len(weights)), key=lambda i: (-float(weights[i]), i))
+    repeats = {} if labels is None else {lab: list(labels).count(lab) for lab in labels}
+    order = sorted(range(len(weights)), key=lambda i: (labels is not None and repeats[labels[i]] == 1,
+                                                       -float(weights[i]), i))
     total, size = [0.0] * len(capacities), [0] * len(capacities)
     held: List[set] = [set() for _ in capacities]
     pack = [-1] * len(weights)
@@ -210,7 +214,18 @@ class EPLBPlanner:
         nodes = self.nodes or nodes_from_bandwidth(self.cm.network.bandwidth_matrix()[:state.num_ranks,
                                                                                       :state.num_ranks])
         nbytes = model_state_bytes(self.cm.shape)
-        target = _match_ranks(state, eplb_table(self.average.sum(0).tolist(), nodes, state.slots_per_rank), nodes)
+        target = None
+        for groups in (nodes, [list(range(state.num_ranks))]):   # hierarchical; else balanced over all ranks
+            try:
+                target = _match_ranks(state, eplb_table(self.average.sum(0).tolist(), groups, state.slots_per_rank),
+                                      groups)
+                break
+            except (PlacementError, ValueError):          # no table without two replicas of an expert on a rank
+                continue
+        if target is None:
+            self.last = {"triggered": False, "time_before": 0.0, "time_after": 0.0, "transfer_time": 0.0,
+                         "moves": 0}
+            return []
         moves = moves_to(state, target, nbytes)
         trial = state.copy().apply(moves)
         before = self.cm.layer_time(self.average, state.placement()).total
