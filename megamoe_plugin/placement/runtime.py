@@ -128,6 +128,11 @@ def _row(tensors, i: int) -> torch.Tensor:
     return torch.cat([t[i].reshape(-1) for t in tensors])
 
 
+def _owner_row(weights, slot: int, me: int, owner: int) -> torch.Tensor:
+    """What a rank puts into a shadow broadcast: its row ``slot`` if it owns the expert, else an empty buffer."""
+    return _row(weights, slot) if me == owner else weights[0].new_empty(sum(w[0].numel() for w in weights))
+
+
 def _write_row(flat: torch.Tensor, tensors, i: int, add: bool = False) -> None:
     """Inverse of ``_row``: row i of every tensor from ``flat`` (copied, or added with ``add``)."""
     off = 0
@@ -170,7 +175,7 @@ class _ShadowCopies(torch.autograd.Function):
             if prefetched is not None:                # broadcast started between steps (``prefetch_shadows``)
                 flat = prefetched.wait(j)
             else:
-                flat = _row(weights, slot) if me == owner else weights[0].new_empty(sum(w[0].numel() for w in weights))
+                flat = _owner_row(weights, slot, me, owner)
                 dist.broadcast(flat, src=owner_global, group=group)
             _write_row(flat, outs, j)
         return tuple(outs)
@@ -202,7 +207,7 @@ class ShadowPrefetch:
         numel = sum(w[0].numel() for w in weights)
         with torch.no_grad():
             for owner, owner_global, slot in self.entries:
-                flat = _row(weights, slot) if me == owner else weights[0].new_empty(numel)
+                flat = _owner_row(weights, slot, me, owner)
                 self.works.append(dist.broadcast(flat, src=owner_global, group=group, async_op=True))
                 self.flats.append(flat)
         self.bytes = numel * weights[0].element_size() * len(self.entries)
