@@ -21,7 +21,6 @@ from megamoe_plugin.config import ConfigError
 from test_megatron_trainer import run
 
 ITERS = 6
-SAVE_AT = 3
 COMMON = ["--train-iters", str(ITERS), "--global-batch-size", "8", "--moe-plugin-second-expert-policy", "all"]
 EP2 = ["--expert-model-parallel-size", "2"]
 PLACEMENT = re.compile(r"iteration\s+(\d+)/\d+ \| .*\| grad norm ([0-9.]+) \|.*placement moves (\d+) replicas (\d+) "
@@ -108,17 +107,21 @@ def test_shadow_shadows_experts_and_keeps_the_math(cache, profile, baseline):
 
 @pytest.fixture(scope="module")
 def saved_after_moves(cache, profile, tmp_path_factory, flexmoe_run):
-    """Train with flexmoe to iteration SAVE_AT (moves done, replicas live) and save a distributed checkpoint."""
+    """Train with flexmoe to the first iteration whose placement has moved and replicated experts (which one depends
+    on the megatron-core version's initialisation) and save a distributed checkpoint there: (path, iteration)."""
+    full, full_out = flexmoe_run
+    live = [it for it, (m, r, _, _) in sorted(_placement_lines(full_out).items()) if m > 0 and r > 0 and it < ITERS]
+    assert live, full_out[-3000:]
+    save_at = live[0]
     ck = str(tmp_path_factory.mktemp("ck") / "ck")
     losses, out = run(2, [*EP2, *COMMON, *_policy("flexmoe", profile), "--save", ck, "--save-interval",
-                          str(SAVE_AT), "--exit-interval", str(SAVE_AT)], cache)
-    assert sorted(losses) == list(range(1, SAVE_AT + 1)) and "saved checkpoint" in out, out[-3000:]
-    moves, replicas, _, _ = _placement_lines(out)[SAVE_AT]
+                          str(save_at), "--exit-interval", str(save_at)], cache)
+    assert sorted(losses) == list(range(1, save_at + 1)) and "saved checkpoint" in out, out[-3000:]
+    moves, replicas, _, _ = _placement_lines(out)[save_at]
     assert moves > 0 and replicas > 0, out[-3000:]    # the checkpoint is written from a moved, replicated placement
-    full, _ = flexmoe_run
     for it in losses:
         assert losses[it] == full[it]
-    return ck
+    return ck, save_at
 
 
 @pytest.mark.parametrize("nproc,layout,placement", [
@@ -131,8 +134,9 @@ def test_checkpoint_after_moves_resumes_at_any_ep(nproc, layout, placement, save
     """Experts and their Adam state are saved by logical id (free slots not at all) and loaded into the placement
     of the resuming run: the next steps are the uninterrupted run's (global batch 8 either way: one process takes
     both ranks' micro-batches)."""
-    resumed, out = run(nproc, [*layout, *COMMON, *_policy(placement, profile), "--load", saved_after_moves], cache)
-    assert "loaded checkpoint" in out and sorted(resumed) == list(range(SAVE_AT + 1, ITERS + 1)), out[-3000:]
+    ck, save_at = saved_after_moves
+    resumed, out = run(nproc, [*layout, *COMMON, *_policy(placement, profile), "--load", ck], cache)
+    assert "loaded checkpoint" in out and sorted(resumed) == list(range(save_at + 1, ITERS + 1)), out[-3000:]
     full, _ = flexmoe_run
     _close({it: resumed[it] for it in resumed}, {it: full[it] for it in resumed}, 1e-5)
 
