@@ -23,7 +23,7 @@ def _steps(guard, *seconds):
 
 
 def test_a_change_that_lost_is_undone_and_the_policy_pauses():
-    guard = PayoffGuard(margin=0.03)
+    guard = PayoffGuard(margin=0.03, min_reference=3)
     rt, before = _changed_runtime()
     _steps(guard, 1.0, 1.0, 5.0, 1.0)                    # one slow step (an evaluation) among them
     assert guard.baseline(interval=1) == 1.0              # median of the last 3
@@ -105,3 +105,52 @@ def test_changes_that_add_up_to_a_loss_return_to_the_original_placement():
     (_, moves, shadow), = undo
     restored = rt.state.copy().apply(moves)
     assert restored == start and shadow == ()
+
+
+def test_no_change_before_the_reference_is_measured():
+    guard = PayoffGuard(margin=0.03)                      # min_reference 6 steps under the original placement
+    _steps(guard, 1.0, 1.0, 1.0, 1.0, 1.0)
+    assert guard.paused()
+    _steps(guard, 1.0)
+    assert not guard.paused()
+    assert PayoffGuard(margin=-1).paused() is False       # off: never holds a policy back
+
+
+def test_a_kept_change_that_loses_later_returns_to_the_start_and_two_returns_stop_the_policy():
+    """A change judged on a lucky window is kept; the watch over every step since the placement left the start
+    (at 2, 4, ... windows) finds it slower than the start and goes back; the second return stops the policy."""
+    guard = PayoffGuard(margin=0.03)
+    rt, start = _changed_runtime()
+    _steps(guard, *[1.0] * 6)
+    guard.record(1.0, 0.0, 1, [rt], [start], [()])
+    assert guard.reference == 1.0 and not guard.at_origin
+    _steps(guard, 1.0, 1.0, 1.0)
+    assert guard.check(1) is None and guard.kept == 1     # the window paid
+    _steps(guard, 1.2, 1.2)
+    assert guard.check(1) is None                         # 5 steps since leaving: the first watch falls at 6
+    _steps(guard, 1.2)
+    undo = guard.check(1)                                 # median of 1.0 x 3, 1.2 x 3 = 1.1 > 1.03
+    assert isinstance(undo, list) and guard.returned == 1 and guard.at_origin and not guard.stopped
+    (_, moves, _), = undo
+    assert rt.state.copy().apply(moves) == start
+    assert [guard.paused() for _ in range(33)] == [True] * 32 + [False]      # the longest pause
+    rt.state = start.copy()
+    rt.state.expand(0, 1)
+    guard.record(1.0, 0.0, 1, [rt], [start], [()])        # a second try, also slower than the start
+    _steps(guard, 1.1, 1.1, 1.1)
+    assert isinstance(guard.check(1), list) and guard.returned == 2 and guard.stopped
+    _steps(guard, *[1.0] * 10)
+    assert all(guard.paused() for _ in range(100))        # stopped for the rest of the run
+
+
+def test_a_change_that_keeps_paying_is_watched_less_and_less_often():
+    guard = PayoffGuard(margin=0.03)
+    rt, start = _changed_runtime()
+    _steps(guard, *[1.0] * 6)
+    guard.record(1.0, 0.0, 1, [rt], [start], [()])
+    verdicts = []
+    for _ in range(40):
+        _steps(guard, 0.8)
+        verdicts.append(guard.check(1))
+    assert all(v is None or v == WAIT for v in verdicts) and not guard.at_origin and guard.returned == 0
+    assert guard._next_watch == 48                        # watched at 6, 12, 24 steps away; next at 48

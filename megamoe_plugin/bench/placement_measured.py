@@ -145,7 +145,8 @@ def _build(args, P: int, rank: int, profile_path: str):
     H, F_ = args.measure_hidden, args.measure_ffn
     base = dict(num_experts=E, top_k=2, gate="bench_zipf_drift", expert_parallel_size=P, world_size=P,
                 aux_loss_coeff=0.0, placement_profile=profile_path, placement_threshold=args.threshold,
-                placement_max_moves=args.max_moves, placement_interval=1)      # plans every step, as it times them
+                placement_max_moves=args.max_moves, placement_interval=1,      # plans every step, as it times them
+                placement_guard=-1.0)     # the planners' own per-step decisions: a few steps, no wall-clock guard
     built = {}
     ref_state = None
     for name in STRATEGIES:

@@ -15,10 +15,15 @@ consecutive undo, at most ``max_pause``); not slower: kept, and the strikes rese
 all ranks (one all-reduce), so every rank takes the same decision.
 
 Judged one by one, a chain of changes each within the margin can add up to a loss against the placement the policy
-started from (measured: FlexMoE at 512 tokens per rank, 0.89x of static with 1 of 3 changes undone). So the guard
-also keeps the ``reference``: the median step before a change made from the original placement (refreshed each
-time the placement is back there). A window slower than the reference by more than ``margin`` returns to the
-original placement (slot table and shadow set), whatever the last change did.
+started from (measured: FlexMoE at 512 tokens per rank, 0.89x of static with 1 of 3 changes undone), and a change
+kept on a lucky window keeps losing afterwards. So the guard also keeps the ``reference``: the median of the steps
+run under the original placement (the last ``REFERENCE_STEPS`` of them; a policy makes no change before
+``min_reference`` such steps exist). Away from the original placement it watches the median of every step since
+the placement left it, at 2, 4, 8, ... windows after leaving (a growing sample, so the verdicts get surer and
+rarer), and each pending change's window too: slower than the reference by more than ``margin`` returns to the
+original placement (slot table and shadow set), whatever the last change did, and pauses the policy
+``max_pause`` runs. After ``max_returns`` returns the policy stops for the rest of the run (``stopped``): on this
+run its cost model predicts gains it does not deliver, and each further try costs steps.
 """
 from __future__ import annotations
 
@@ -34,6 +39,7 @@ from .state import PlacementError, PlacementState
 __all__ = ["PayoffGuard", "WAIT", "job_max"]
 
 WAIT = "wait"
+REFERENCE_STEPS = 64          # steps under the original placement the reference is the median of
 
 
 def job_max(value: Optional[float]) -> Optional[float]:
@@ -54,20 +60,28 @@ class _Change:
     start: int                                        # index of the first step after the change
     window: int
     snapshots: List[Tuple[object, PlacementState, Tuple[int, ...]]] = field(default_factory=list)
+    from_origin: bool = False                         # made from the original placement: undoing it returns there
 
 
 class PayoffGuard:
     """Module docstring. ``margin`` < 0 turns the guard off (every change is kept)."""
 
-    def __init__(self, margin: float = 0.03, min_steps: int = 3, backoff: int = 2, max_pause: int = 32):
+    def __init__(self, margin: float = 0.03, min_steps: int = 3, backoff: int = 2, max_pause: int = 32,
+                 min_reference: int = 6, max_returns: int = 2):
         self.margin, self.min_steps = float(margin), int(min_steps)
         self.backoff, self.max_pause = int(backoff), int(max_pause)
+        self.min_reference, self.max_returns = int(min_reference), int(max_returns)
         self.steps: List[float] = []                  # every observed training step's duration (s), in order
         self.pending: Optional[_Change] = None
         self.strikes = self.pause = self.kept = self.undone = 0
-        self.reference: Optional[float] = None         # median step under the original placement
+        self.reference: Optional[float] = None         # the job's median step under the original placement
         self.origin: Optional[List[Tuple[object, PlacementState, Tuple[int, ...]]]] = None
         self.returned = 0                             # returns to the original placement
+        self.stopped = False                          # max_returns reached: no more changes in this run
+        self.at_origin = True                         # the placement is the one the run started with
+        self.origin_steps: List[float] = []           # the last REFERENCE_STEPS steps run there
+        self.away: List[float] = []                   # every step since the placement left it
+        self._next_watch = 0                          # len(away) at which the next watch verdict falls
 
     @property
     def enabled(self) -> bool:
@@ -82,6 +96,11 @@ class PayoffGuard:
             self.steps.append(float(seconds))
             if self.pending is None and len(self.steps) > 256:
                 del self.steps[:-128]
+            if self.at_origin:
+                self.origin_steps.append(float(seconds))
+                del self.origin_steps[:-REFERENCE_STEPS]
+            else:
+                self.away.append(float(seconds))
 
     def baseline(self, interval: int) -> Optional[float]:
         """This rank's median step over the last window, or over every step seen when fewer (None under
@@ -89,12 +108,15 @@ class PayoffGuard:
         return statistics.median(self.steps[-self.window(interval):]) if len(self.steps) >= self.min_steps else None
 
     def check(self, interval: int):
-        """At a policy run (collective while a change is pending): None (nothing to judge, or the change paid),
-        ``WAIT`` (its window is not complete: make no new change), or for every layer ``(runtime, moves, shadow
-        set)`` that undo the last change (it lost)."""
-        change = self.pending
-        if change is None or not self.enabled:
+        """At a policy run (collective while a change is pending or the placement is away from the original):
+        None (nothing to judge, or it paid), ``WAIT`` (a change's window is not complete: make no new change), or
+        for every layer ``(runtime, moves, shadow set)`` that undo the last change or return to the original
+        placement (it lost)."""
+        if not self.enabled:
             return None
+        change = self.pending
+        if change is None:
+            return self._watch(interval)
         after = self.steps[change.start:]
         if len(after) < change.window:
             return WAIT
@@ -108,9 +130,34 @@ class PayoffGuard:
         self.undone += 1
         self.strikes += 1
         self.pause = min(self.backoff ** self.strikes, self.max_pause)
-        snapshots = change.snapshots
-        if behind and self.origin is not None:         # slower than where the policy started: go back there
-            snapshots, self.returned = self.origin, self.returned + 1
+        if behind or change.from_origin:
+            return self._return_to_origin(counted=behind)
+        return self._undo(change.snapshots)
+
+    def _watch(self, interval: int):
+        """Away from the original placement with no change pending: at 2, 4, 8, ... windows since leaving it,
+        the median of every step since then against the reference."""
+        if self.at_origin or self.reference is None or self.origin is None:
+            return None
+        if len(self.away) < max(self._next_watch, 2 * self.window(interval)):
+            return None
+        self._next_watch = 2 * len(self.away)
+        measured = job_max(statistics.median(self.away[-4 * REFERENCE_STEPS:]))
+        if measured <= self.reference * (1.0 + self.margin):
+            return None
+        self.undone += 1
+        self.pause = self.max_pause
+        return self._return_to_origin(counted=True)
+
+    def _return_to_origin(self, counted: bool):
+        if counted:
+            self.returned += 1
+            if self.returned >= self.max_returns:
+                self.stopped = True
+        self.at_origin, self.away, self._next_watch = True, [], 0
+        return self._undo(self.origin)
+
+    def _undo(self, snapshots):
         undo = []
         for rt, state, shadow in snapshots:
             target = [sorted(e for e in state.slots_of(r) if e is not None) for r in range(state.num_ranks)]
@@ -123,7 +170,12 @@ class PayoffGuard:
         return undo
 
     def paused(self) -> bool:
-        """Whether this run must not change the placement (after an undo); counts the run."""
+        """Whether this run must not change the placement: after an undo (counts the run), before the reference
+        has ``min_reference`` steps, or for good once ``stopped``."""
+        if not self.enabled:
+            return False
+        if self.stopped or (self.at_origin and len(self.origin_steps) < self.min_reference):
+            return True
         if self.pause > 0:
             self.pause -= 1
             return True
@@ -136,11 +188,10 @@ class PayoffGuard:
         if before_s is None or not self.enabled:
             return
         snapshots = [(rt, state.copy(), tuple(shadow)) for rt, state, shadow in zip(runtimes, states, shadows)]
-        at_origin = self.origin is None or all(
-            state == o_state and tuple(shadow) == o_shadow
-            for (_, state, shadow), (_, o_state, o_shadow) in zip(snapshots, self.origin))
-        if at_origin:                                 # the steps before this change ran the original placement
+        from_origin = self.at_origin
+        if from_origin:                               # the steps before this change ran the original placement
             if self.origin is None:
                 self.origin = snapshots
-            self.reference = before_s
-        self.pending = _Change(before_s, cost_s, len(self.steps), self.window(interval), snapshots)
+            self.reference = job_max(statistics.median(self.origin_steps)) if self.origin_steps else before_s
+            self.at_origin, self.away, self._next_watch = False, [], 0
+        self.pending = _Change(before_s, cost_s, len(self.steps), self.window(interval), snapshots, from_origin)

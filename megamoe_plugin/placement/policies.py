@@ -21,7 +21,8 @@ Each run, for every MoE layer of this rank (in model order):
    overlap the next batch and the layers below instead of waiting in the layer's forward;
 4. the pay-off guard (guard.py, ``--moe-placement-guard``): once the steps after a change are measured (a window
    of at least 3 steps; no new change meanwhile), a change whose median step is slower than the median before it is
-   undone, and the policy pauses.
+   undone, and the policy pauses; a placement whose steps run slower than the original placement's goes back
+   there, and after two such returns the policy stops for the run.
 
 The cost model is the hardware profile ``--moe-placement-profile`` at the expert-parallel size, with the layer's real
 shape: ``auto`` (the default) calibrates the running job's own process groups at the first run (a second or two,
@@ -33,7 +34,8 @@ steps' routing under the placement they ran with), ``balance_ratio_next`` (the s
 placement), ``token_efficiency`` (kept / routed assignments), ``expert_efficiency`` (useful expert rows / (P x
 the busiest rank's rows)), ``replicas`` (vExperts beyond one per expert, shadow copies included), ``shadowed``,
 ``moves``, ``bytes_moved`` (model-state bytes sent by the group's ranks), ``changes_kept`` / ``changes_undone``
-(the guard's verdicts so far; ``returned_to_start``: undos that went back to the original placement), ``predicted_step_s`` (the cost model's MoE-layer time of one step with the last
+(the guard's verdicts so far; ``returned_to_start``: undos that went back to the original placement;
+``guard_stopped``: 1 once the guard stopped the policy for the run), ``predicted_step_s`` (the cost model's MoE-layer time of one step with the last
 steps' mean counts under the placement they ran with, summed over layers), ``predicted_static_step_s`` (the same
 counts under static contiguous experts: the two give the model's predicted saving per step), ``shadow_wait_s``
 (seconds per step the forwards waited for the shadowed experts' prefetched copies: the part of their broadcasts not
@@ -266,7 +268,7 @@ class _Policy:
             "bytes_moved": float(group_bytes), "predicted_step_s": predicted,
             "calibrations": float(self.calibrations),
             "changes_kept": float(self.guard.kept), "changes_undone": float(self.guard.undone),
-            "returned_to_start": float(self.guard.returned),
+            "returned_to_start": float(self.guard.returned), "guard_stopped": float(self.guard.stopped),
         }
         if measured is not None:
             self.metrics["measured_step_s"] = measured
