@@ -154,3 +154,38 @@ def test_a_change_that_keeps_paying_is_watched_less_and_less_often():
         verdicts.append(guard.check(1))
     assert all(v is None or v == WAIT for v in verdicts) and not guard.at_origin and guard.returned == 0
     assert guard._next_watch == 48                        # watched at 6, 12, 24 steps away; next at 48
+
+
+def test_a_held_policy_runs_no_collective_and_prices_the_held_steps_later(monkeypatch):
+    """While the guard holds a policy (its reference still short, a pause, or stopped) and nothing is shadowed,
+    a run costs no collective; the layers' counts keep adding up and the next full run prices them as one step's
+    (divided by every step they cover). Once stopped, the counts are dropped each run instead."""
+    import torch
+
+    from megamoe_plugin import MoEConfig
+    from megamoe_plugin.layer import MoELayer
+    from megamoe_plugin.placement import AfterStepHook, policies
+
+    cfg = MoEConfig(num_experts=4, top_k=1, gate="switch", placement="shadow", placement_profile="flexmoe-a100")
+    torch.manual_seed(0)
+    layer = MoELayer(cfg, 8, 16)
+    opt = torch.optim.Adam(layer.parameters(), lr=1e-3)
+    hook = AfterStepHook(cfg)
+    gathered, real = [], policies.gather_counts
+    monkeypatch.setattr(policies, "gather_counts", lambda rts: gathered.append(
+        float(rts[0].step_counts.sum())) or real(rts))
+
+    def step(it):
+        opt.zero_grad()
+        layer(torch.randn(32, 8)).sum().backward()
+        opt.step()
+        hook.run(layer, opt, it)
+
+    for it in range(1, 7):                                # 5 step durations seen at run 6: under the 6 needed
+        step(it)
+    assert gathered == [] and hook.policy._held_steps == 6
+    step(7)
+    assert gathered == [7 * 32.0] and hook.policy._held_steps == 0     # seven steps' counts, in one run
+    hook.policy.guard.stopped = True
+    step(8)
+    assert len(gathered) == 1 and layer.plan.placement.step_counts is None

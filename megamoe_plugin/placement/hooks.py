@@ -80,7 +80,7 @@ class AfterStepHook:
         self.policy = policy if policy is not None else build_placement_policy(cfg)
         self.callbacks: List[Callable[[StepContext], None]] = []
         self.calls = 0
-        self._returned: Optional[float] = None
+        self._started: Optional[float] = None     # when the previous call started
         self._steps = 0                 # optimizer steps since the policy last ran
 
     def add(self, fn: Callable[[StepContext], None]) -> None:
@@ -92,27 +92,26 @@ class AfterStepHook:
 
     def run(self, model, optimizer, iteration: int, moe_layers: Optional[List[nn.Module]] = None, **extra) -> bool:
         """Call after ``optimizer.step()`` on every rank. Returns True when something ran. Every call also gives
-        the policy the step's duration (the time since the previous call returned) when it takes one
-        (``observe_step``: the pay-off guard's measurements)."""
+        the policy the step's duration when it takes one (``observe_step``: the pay-off guard's measurements): the
+        time since the previous call started, so the policy's own time after a step (its collectives, its
+        decisions, the shadow copies it sends) counts in the step it slows down."""
         start = time.perf_counter()
         observe = getattr(self.policy, "observe_step", None)
-        if observe is not None and self._returned is not None:
-            observe(start - self._returned)
+        if observe is not None and self._started is not None:
+            observe(start - self._started)
+        self._started = start
         self._steps += 1
-        try:
-            if not self.active or iteration % self.cfg.placement_every:
-                return False
-            if moe_layers is None:
-                moe_layers = find_moe_layers(model)
-            ctx = StepContext(model, optimizer, iteration, moe_layers, dict(extra), steps=self._steps)
-            self._steps = 0
-            if self.policy is not None:
-                self.policy(ctx)
-            for fn in self.callbacks:
-                fn(ctx)
-            self.calls += 1
-            return True
-        finally:
-            self._returned = time.perf_counter()
+        if not self.active or iteration % self.cfg.placement_every:
+            return False
+        if moe_layers is None:
+            moe_layers = find_moe_layers(model)
+        ctx = StepContext(model, optimizer, iteration, moe_layers, dict(extra), steps=self._steps)
+        self._steps = 0
+        if self.policy is not None:
+            self.policy(ctx)
+        for fn in self.callbacks:
+            fn(ctx)
+        self.calls += 1
+        return True
 
 

@@ -131,6 +131,7 @@ class _Policy:
         self._last_iteration: Optional[int] = None
         self._checked_optimizer = False
         self.guard = PayoffGuard(cfg.placement_guard)
+        self._held_steps = 0                          # steps of runs skipped while held (their counts add up)
 
     def _cm(self, bank, num_experts: int, num_ranks: int):
         from ..perfmodel.cost import LayerShape
@@ -169,6 +170,24 @@ class _Policy:
         if not self._checked_optimizer:
             check_optimizer_supported(ctx.optimizer)
             self._checked_optimizer = True
+        every = self.cfg.placement_every
+        layers = [m for m in ctx.moe_layers if getattr(m.plan, "placement", None) is not None]
+        verdict = self.guard.check(every)            # the last change, judged on the steps after it
+        undo = verdict if isinstance(verdict, list) else None
+        hold = verdict == WAIT or (undo is None and self.guard.paused())
+        if (hold and verdict != WAIT and self.profile is not None
+                and not any(m.plan.placement.shadowed for m in layers)):
+            # held (paused, stopped, or the guard's reference still short) with nothing to keep up to date: no
+            # collective at all, so a policy that does not act costs the steps nothing; the layers' counts add up
+            # for the next run
+            if self.guard.stopped:                    # no later run will read them
+                for m in layers:
+                    m.plan.placement.take_step_counts()
+                    m.plan.placement.take_dropped()
+            else:
+                self._held_steps += max(int(getattr(ctx, "steps", 1)), 1)
+            self.runs += 1
+            return
         self._ensure_profile(ctx.moe_layers)
         now = time.perf_counter()
         measured = None
@@ -176,17 +195,13 @@ class _Policy:
             measured = (now - self._clock) / (ctx.iteration - self._last_iteration)
         # the slowest rank's: every decision taken from it (re-calibrating on drift) must be the same on every rank
         measured = job_max(measured)
-        every = self.cfg.placement_every
-        verdict = self.guard.check(every)            # the last change, judged on the steps after it
-        undo = verdict if isinstance(verdict, list) else None
-        hold = verdict == WAIT or (undo is None and self.guard.paused())
         baseline = job_max(self.guard.baseline(every)) if self.guard.enabled else None
         changes, rows, decisions = [], [], []
-        layers = [m for m in ctx.moe_layers if getattr(m.plan, "placement", None) is not None]
         before = [(m.plan.placement.state.copy(), tuple(m.plan.placement.shadowed)) for m in layers]
         # the counts of the steps since the last run, as one step's: the cost model prices one step, against
         # which a move's one-off transfer is amortised over the interval
-        steps = max(int(getattr(ctx, "steps", 1)), 1)
+        steps = max(int(getattr(ctx, "steps", 1)), 1) + self._held_steps
+        self._held_steps = 0
         all_counts = [c / steps for c in gather_counts([m.plan.placement for m in layers])]   # one collective
         static_pred = 0.0
         for i, (layer, counts) in enumerate(zip(layers, all_counts)):
@@ -226,7 +241,7 @@ class _Policy:
         self._report(rows, sent, measured)
         if rows:
             self.metrics["predicted_static_step_s"] = static_pred
-            self.metrics["shadow_wait_s"] = waited / max(int(getattr(ctx, "steps", 1)), 1)
+            self.metrics["shadow_wait_s"] = waited / steps
         if self.drift is not None and self.drift.observe(measured, self.metrics.get("predicted_step_s", 0.0)):
             self.profile = None               # the model no longer matches this cluster: measure it again
             self.drift.reset()
