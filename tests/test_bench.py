@@ -26,14 +26,18 @@ def test_tiny_benchmark_prints_every_implementation(capsys):
     assert gshard["bytes"] == 2 * c["T"] * c["E"] * C * 4 + 2 * c["E"] * C * c["H"] * 4
 
 
-def test_expert_floor_is_the_experts_forward_and_backward():
-    """The hand-written floor computes what autograd computes for fc1 -> gelu -> fc2 per expert group (outputs and
-    every gradient), so it times the real work; empty experts are skipped."""
+@pytest.mark.parametrize("onednn", [False, True], ids=["blas", "onednn"])
+def test_expert_floor_is_the_experts_forward_and_backward(onednn):
+    """The hand-written floor (on BLAS, and with oneDNN's linear kernel as the layer's CPU kernel uses it)
+    computes what autograd computes for fc1 -> gelu -> fc2 per expert group (outputs and every gradient), so it
+    times the real work; empty experts are skipped."""
+    if onednn and not bench.onednn_floor_available():
+        pytest.skip("this torch build has no oneDNN linear kernel")
     torch.manual_seed(0)
     E, H, F_ = 4, 8, 16
     counts = [3, 0, 5, 2]
     xs, w1, w2 = torch.randn(10, H), torch.randn(E, H, F_), torch.randn(E, F_, H)
-    floor = bench.ExpertFloor(xs, counts, w1, w2)
+    floor = bench.ExpertFloor(xs, counts, w1, w2, onednn=onednn)
     floor()
     xr, w1r, w2r = (t.clone().requires_grad_() for t in (xs, w1, w2))
     y = torch.cat([torch.nn.functional.gelu(part @ w1r[e]) @ w2r[e] for e, part in enumerate(xr.split(counts))])
