@@ -5,12 +5,14 @@ mmap pages and unmaps them on free, so every training step page-faults its large
 buffers in again (measured here: about 100 ms of a 500 ms MoE layer step at 64 experts). Raising the mmap and
 trim thresholds makes malloc keep and reuse those blocks, which is what tcmalloc/jemalloc (the usual advice for
 PyTorch on CPU) do. It changes no result, only where memory comes from. GPU memory is untouched (PyTorch's CUDA
-caching allocator already reuses blocks).
+caching allocator already reuses blocks). ``MEGAMOE_CPU_MALLOC=default`` in the environment leaves glibc alone
+(to compare, or where another allocator is preloaded).
 """
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import os
 
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
@@ -23,6 +25,8 @@ def retain_freed_memory(threshold_bytes: int = 1 << 30) -> bool:
     global _done
     if _done:
         return True
+    if os.environ.get("MEGAMOE_CPU_MALLOC", "").strip().lower() == "default":
+        return False
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
         mallopt = libc.mallopt
