@@ -6,8 +6,8 @@ The real-text MoE LM of ``megamoe bench planners`` (the embedded corpus, 16 expe
 a fixed-speed device by default: ``--cpu-share auto``), Switch top-1 with the 0.01 balance loss (DynaMoE's gate),
 trained from the same data with each of:
 
-- ``CF=1.0``, ``CF=1.25``, ``CF=1.5``, ``CF=2.0``: capacity dispatch with one static capacity factor (GShard's drop
-  and pad);
+- ``CF=1.0``, ``CF=1.25``, ``CF=1.5``, ``CF=2.0`` (and on request ``CF=3.0``, ``CF=4.0``): capacity dispatch with
+  one static capacity factor (GShard's drop and pad);
 - ``dynamic``: ``--moe-capacity-policy dynamic`` (per-expert moving average + max(20% headroom, 2 standard
   deviations), RECOMPILE off the critical path); ``dynamic q=0.9``: each expert's capacity the 0.9-quantile of its
   demand over the last 32 steps;
@@ -37,10 +37,13 @@ CONFIGS = {
     "CF=1.25": CAPACITY + ["--moe-capacity-factor", "1.25"],
     "CF=1.5": CAPACITY + ["--moe-capacity-factor", "1.5"],
     "CF=2.0": CAPACITY + ["--moe-capacity-factor", "2.0"],
+    "CF=3.0": CAPACITY + ["--moe-capacity-factor", "3.0"],
+    "CF=4.0": CAPACITY + ["--moe-capacity-factor", "4.0"],
     "dynamic": CAPACITY + ["--moe-capacity-policy", "dynamic"],
     "dynamic q=0.9": CAPACITY + ["--moe-capacity-policy", "dynamic", "--moe-capacity-quantile", "0.9"],
     "dropless": [],
 }
+DEFAULT_CONFIGS = ["CF=1.0", "CF=1.25", "CF=1.5", "CF=2.0", "dynamic", "dynamic q=0.9", "dropless"]
 ROUTING = ["--moe-gate", "switch", "--moe-top-k", "1", "--moe-aux-loss-coeff", "0.01"]
 
 
@@ -106,7 +109,9 @@ def format_summary(summary: Dict[str, dict]) -> str:
 
 def main(argv: Optional[List[str]] = None) -> dict:
     p = argparse.ArgumentParser(prog="megamoe bench capacity", description=__doc__.split("\n\n")[0])
-    p.add_argument("--configs", default=",".join(CONFIGS), help="comma list of: " + ", ".join(CONFIGS))
+    p.add_argument("--configs", default=",".join(DEFAULT_CONFIGS), help="comma list of: " + ", ".join(CONFIGS)
+                   + f" (default: {','.join(DEFAULT_CONFIGS)}; the larger factors extend the static curve to the "
+                   "drop rates of the dynamic policies on skewed routing)")
     p.add_argument("--seeds", default="0,1,2", help="comma list of seeds; every seed runs every config once")
     p.add_argument("--steps", type=int, default=80)
     p.add_argument("--batch-size", type=int, default=8, help="sequences of 64 tokens per rank per step")
