@@ -150,6 +150,9 @@ def test_bench_capacity_summary_and_domination():
     assert s["dynamic"]["dominated_by"] == ["CF=1.0"]
     assert s["dynamic q=0.9"]["dominated_by"] == []
     assert "dominated_by" not in s["CF=2.0"]
+    rows["dropless"] = [run(0, 1.3, 1.0, 2.8), run(1, 1.3, 1.0, 2.8)]    # no drops, faster than both dynamics
+    s = summarise(rows)
+    assert s["dynamic"]["dominated_by"] == ["CF=1.0", "dropless"] and s["dynamic q=0.9"]["dominated_by"] == ["dropless"]
     with pytest.raises(SystemExit, match="--configs CF=3: unknown"):
         main(["--configs", "CF=3"])
     with pytest.raises(SystemExit, match="--seeds"):
