@@ -26,6 +26,7 @@ import argparse
 import json
 import os
 import statistics
+import textwrap
 from typing import Dict, List, Optional
 
 from ..cluster import cpu_caps, netns
@@ -88,7 +89,7 @@ def plot(summary: Dict[str, dict], path: str, label: str) -> Optional[str]:
                     yerr=s["dropped"][1], fmt="o" if n.startswith("CF=") else "s", capsize=3, label=n)
     ax.set_xlabel("step time (ms, median per run; mean over seeds)")
     ax.set_ylabel("dropped fraction of assignments")
-    ax.set_title(label, fontsize=9)
+    ax.set_title(textwrap.fill(label, 90), fontsize=8)
     ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
