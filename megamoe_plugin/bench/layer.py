@@ -12,8 +12,9 @@ Implementations (all compute the same function of the same x, router weight and 
 - ``expert floor``: only the experts' own work (fc1 -> gelu -> fc2 forward and backward, written out as GEMMs into
   preallocated buffers, no autograd) on pre-sorted contiguous token groups of exactly the sizes the router
   produced: no gate, no permutation, no combine; on BLAS, and (``expert floor, oneDNN GEMMs``) with the forward
-  and input-gradient GEMMs on oneDNN as the layer's CPU kernel runs them. The ratios divide by the faster of the
-  two: nothing that computes the layer can be faster.
+  and input-gradient GEMMs on oneDNN as the layer's CPU kernel runs them; many small experts side by side on CPU
+  lanes where the layer's kernel does that. The ratios divide by the faster of the two: nothing that computes the
+  layer with these kernels can be faster.
 - ``argsort + loop``: the plain reference (softmax top-k, argsort, gather, one autograd fc1 -> gelu -> fc2 per
   expert, weighted index_add), forward and backward.
 - ``dense MLP``: the dense MLP with the same FLOPs (T tokens, hidden k*F).
@@ -39,6 +40,7 @@ import torch
 import torch.nn.functional as F
 
 from ..cpu_alloc import retain_freed_memory
+from ..experts.loop import _lanes_for as lanes_for, _run_groups as run_groups
 from .layer_inputs import CONFIGS, make_inputs, route
 from .ours import megatron_peer, ours
 from .report import emit_report
@@ -110,7 +112,8 @@ class ExpertFloor:
     """The experts' forward and backward written out as GEMMs into preallocated buffers (``expert_floor``):
     ``floor()`` fills ``y``, ``dx``, ``dw1``, ``dw2`` for the rows ``xs`` (sorted by expert, ``counts`` per expert)
     with the output gradient ``dy`` (ones). ``onednn``: the forward and input-gradient GEMMs on oneDNN's linear
-    kernel (the mix the layer's CPU kernel uses; the weight gradients stay on BLAS), else every GEMM on BLAS."""
+    kernel (the mix the layer's CPU kernel uses; the weight gradients stay on BLAS), else every GEMM on BLAS. Small
+    experts run side by side on CPU lanes when the layer's kernel would (``experts/loop.py``)."""
 
     def __init__(self, xs, counts, w1, w2, onednn: bool = False):
         n, (E, H, F_) = xs.shape[0], w1.shape
@@ -120,6 +123,7 @@ class ExpertFloor:
         self.dw1, self.dw2 = torch.zeros_like(w1), torch.zeros_like(w2)
         ends = torch.tensor(counts).cumsum(0).tolist()
         self.spans = [(e, ends[e] - counts[e], ends[e]) for e in range(E) if counts[e]]
+        self.lanes = lanes_for(xs, self.spans, w1, 0)
         if onednn:                    # oneDNN's linear takes the weight as [out, in]: transposed once, up front
             self.w1t, self.w2t = w1.transpose(1, 2).contiguous(), w2.transpose(1, 2).contiguous()
 
@@ -131,7 +135,8 @@ class ExpertFloor:
 
     def __call__(self) -> None:
         w1, w2, dy = self.w1, self.w2, self.dy
-        for e, i, j in self.spans:
+
+        def expert(e, i, j):
             xe, he, ae, dae = self.xs[i:j], self.h[i:j], self.a[i:j], self.da[i:j]
             self._mm(xe, w1[e], self.w1t[e] if self.onednn else None, he)
             ae.copy_(F.gelu(he))
@@ -141,6 +146,9 @@ class ExpertFloor:
             dh = torch.ops.aten.gelu_backward(dae, he)
             torch.mm(xe.t(), dh, out=self.dw1[e])
             self._mm(dh, w1[e].t(), w1[e] if self.onednn else None, self.dx[i:j])
+
+        # many small experts run side by side on CPU lanes, one thread each, by the layer's own rule
+        run_groups(expert, self.spans, self.lanes)
 
 
 def _onednn_linear(a, weight_out_in):
