@@ -124,8 +124,6 @@ class ExpertFloor:
         ends = torch.tensor(counts).cumsum(0).tolist()
         self.spans = [(e, ends[e] - counts[e], ends[e]) for e in range(E) if counts[e]]
         self.lanes = lanes_for(xs, self.spans, w1, 0)
-        if onednn:                    # oneDNN's linear takes the weight as [out, in]: transposed once, up front
-            self.w1t, self.w2t = w1.transpose(1, 2).contiguous(), w2.transpose(1, 2).contiguous()
 
     def _mm(self, a, b, bt, out):
         if self.onednn:
@@ -135,6 +133,9 @@ class ExpertFloor:
 
     def __call__(self) -> None:
         w1, w2, dy = self.w1, self.w2, self.dy
+        if self.onednn:   # oneDNN's linear takes the weight as [out, in]: the forward's weights transposed, once per
+            # step (the weights change every step; the layer pays the same reorder inside oneDNN's calls)
+            self.w1t, self.w2t = w1.transpose(1, 2).contiguous(), w2.transpose(1, 2).contiguous()
 
         def expert(e, i, j):
             xe, he, ae, dae = self.xs[i:j], self.h[i:j], self.a[i:j], self.da[i:j]
