@@ -125,28 +125,27 @@ class ExpertFloor:
         self.spans = [(e, ends[e] - counts[e], ends[e]) for e in range(E) if counts[e]]
         self.lanes = lanes_for(xs, self.spans, w1, 0)
 
-    def _mm(self, a, b, bt, out):
+    def _mm(self, a, b, out):
+        """out = a @ b; on oneDNN with the weight as the [out, in] view b.t(), exactly as the layer's kernel passes
+        it (the weights change every step, so neither may keep a transposed copy)."""
         if self.onednn:
-            out.copy_(_onednn_linear(a, bt))
+            out.copy_(_onednn_linear(a, b.t()))
         else:
             torch.mm(a, b, out=out)
 
     def __call__(self) -> None:
         w1, w2, dy = self.w1, self.w2, self.dy
-        if self.onednn:   # oneDNN's linear takes the weight as [out, in]: the forward's weights transposed, once per
-            # step (the weights change every step; the layer pays the same reorder inside oneDNN's calls)
-            self.w1t, self.w2t = w1.transpose(1, 2).contiguous(), w2.transpose(1, 2).contiguous()
 
         def expert(e, i, j):
             xe, he, ae, dae = self.xs[i:j], self.h[i:j], self.a[i:j], self.da[i:j]
-            self._mm(xe, w1[e], self.w1t[e] if self.onednn else None, he)
+            self._mm(xe, w1[e], he)
             ae.copy_(F.gelu(he))
-            self._mm(ae, w2[e], self.w2t[e] if self.onednn else None, self.y[i:j])
+            self._mm(ae, w2[e], self.y[i:j])
             torch.mm(ae.t(), dy[i:j], out=self.dw2[e])
-            self._mm(dy[i:j], w2[e].t(), w2[e] if self.onednn else None, dae)
+            self._mm(dy[i:j], w2[e].t(), dae)
             dh = torch.ops.aten.gelu_backward(dae, he)
             torch.mm(xe.t(), dh, out=self.dw1[e])
-            self._mm(dh, w1[e].t(), w1[e] if self.onednn else None, self.dx[i:j])
+            self._mm(dh, w1[e].t(), self.dx[i:j])
 
         # many small experts run side by side on CPU lanes, one thread each, by the layer's own rule
         run_groups(expert, self.spans, self.lanes)
