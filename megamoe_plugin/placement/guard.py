@@ -18,8 +18,8 @@ Judged one by one, a chain of changes each within the margin can add up to a los
 started from (measured: FlexMoE at 512 tokens per rank, 0.89x of static with 1 of 3 changes undone), and a change
 kept on a lucky window keeps losing afterwards. So the guard also keeps the ``reference``: the median of the steps
 run under the original placement (the last ``REFERENCE_STEPS`` of them; a policy makes no change before
-``min_reference`` such steps exist). Away from the original placement it watches the median of every step since
-the placement left it, at 2, 4, 8, ... windows after leaving (a growing sample, so the verdicts get surer and
+``min_reference`` such steps exist). Away from the original placement it watches the median of the steps since
+the placement left it (the last ``4 x REFERENCE_STEPS``), at 2, 4, 8, ... windows after leaving (a growing sample, so the verdicts get surer and
 rarer), and each pending change's window too: slower than the reference by more than ``margin`` returns to the
 original placement (slot table and shadow set), whatever the last change did, and pauses the policy
 ``max_pause`` runs. After ``max_returns`` returns the policy stops for the rest of the run (``stopped``): on this
@@ -80,8 +80,9 @@ class PayoffGuard:
         self.stopped = False                          # max_returns reached: no more changes in this run
         self.at_origin = True                         # the placement is the one the run started with
         self.origin_steps: List[float] = []           # the last REFERENCE_STEPS steps run there
-        self.away: List[float] = []                   # every step since the placement left it
-        self._next_watch = 0                          # len(away) at which the next watch verdict falls
+        self.away: List[float] = []                   # the last 4 x REFERENCE_STEPS steps since it left
+        self.away_steps = 0                           # every step since the placement left it
+        self._next_watch = 0                          # away_steps at which the next watch verdict falls
 
     @property
     def enabled(self) -> bool:
@@ -101,6 +102,8 @@ class PayoffGuard:
                 del self.origin_steps[:-REFERENCE_STEPS]
             else:
                 self.away.append(float(seconds))
+                del self.away[:-4 * REFERENCE_STEPS]
+                self.away_steps += 1
 
     def baseline(self, interval: int) -> Optional[float]:
         """This rank's median step over the last window, or over every step seen when fewer (None under
@@ -139,10 +142,10 @@ class PayoffGuard:
         the median of every step since then against the reference."""
         if self.at_origin or self.reference is None or self.origin is None:
             return None
-        if len(self.away) < max(self._next_watch, 2 * self.window(interval)):
+        if self.away_steps < max(self._next_watch, 2 * self.window(interval)):
             return None
-        self._next_watch = 2 * len(self.away)
-        measured = job_max(statistics.median(self.away[-4 * REFERENCE_STEPS:]))
+        self._next_watch = 2 * self.away_steps
+        measured = job_max(statistics.median(self.away))
         if measured <= self.reference * (1.0 + self.margin):
             return None
         self.undone += 1
@@ -154,7 +157,7 @@ class PayoffGuard:
             self.returned += 1
             if self.returned >= self.max_returns:
                 self.stopped = True
-        self.at_origin, self.away, self._next_watch = True, [], 0
+        self.at_origin, self.away, self.away_steps, self._next_watch = True, [], 0, 0
         return self._undo(self.origin)
 
     def _undo(self, snapshots):
@@ -193,5 +196,5 @@ class PayoffGuard:
             if self.origin is None:
                 self.origin = snapshots
             self.reference = job_max(statistics.median(self.origin_steps)) if self.origin_steps else before_s
-            self.at_origin, self.away, self._next_watch = False, [], 0
+            self.at_origin, self.away, self.away_steps, self._next_watch = False, [], 0, 0
         self.pending = _Change(before_s, cost_s, len(self.steps), self.window(interval), snapshots, from_origin)

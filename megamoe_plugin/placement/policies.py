@@ -171,6 +171,7 @@ class _Policy:
             check_optimizer_supported(ctx.optimizer)
             self._checked_optimizer = True
         every = self.cfg.placement_every
+        run_steps = max(int(getattr(ctx, "steps", 1)), 1)      # optimizer steps since the policy last ran
         layers = [m for m in ctx.moe_layers if getattr(m.plan, "placement", None) is not None]
         verdict = self.guard.check(every)            # the last change, judged on the steps after it
         undo = verdict if isinstance(verdict, list) else None
@@ -185,7 +186,7 @@ class _Policy:
                     m.plan.placement.take_step_counts()
                     m.plan.placement.take_dropped()
             else:
-                self._held_steps += max(int(getattr(ctx, "steps", 1)), 1)
+                self._held_steps += run_steps
             self.runs += 1
             return
         self._ensure_profile(ctx.moe_layers)
@@ -200,7 +201,7 @@ class _Policy:
         before = [(m.plan.placement.state.copy(), tuple(m.plan.placement.shadowed)) for m in layers]
         # the counts of the steps since the last run, as one step's: the cost model prices one step, against
         # which a move's one-off transfer is amortised over the interval
-        steps = max(int(getattr(ctx, "steps", 1)), 1) + self._held_steps
+        steps = run_steps + self._held_steps
         self._held_steps = 0
         all_counts = [c / steps for c in gather_counts([m.plan.placement for m in layers])]   # one collective
         static_pred = 0.0
