@@ -40,7 +40,7 @@ import torch
 import torch.nn.functional as F
 
 from ..cpu_alloc import retain_freed_memory
-from ..experts.loop import _lanes_for as lanes_for, _run_groups as run_groups
+from ..experts.loop import _lanes_for as lanes_for, _mm_into as mm_into, _run_groups as run_groups, onednn_available
 from .layer_inputs import CONFIGS, make_inputs, route
 from .ours import megatron_peer, ours
 from .report import emit_report
@@ -126,12 +126,9 @@ class ExpertFloor:
         self.lanes = lanes_for(xs, self.spans, w1, 0)
 
     def _mm(self, a, b, out):
-        """out = a @ b; on oneDNN with the weight as the [out, in] view b.t(), exactly as the layer's kernel passes
-        it (the weights change every step, so neither may keep a transposed copy)."""
-        if self.onednn:
-            out.copy_(_onednn_linear(a, b.t()))
-        else:
-            torch.mm(a, b, out=out)
+        """out = a @ b through the layer kernel's own GEMM call (oneDNN gets the weight as the view b.t(); the
+        weights change every step, so neither may keep a transposed copy)."""
+        mm_into(a, b, out, self.onednn)
 
     def __call__(self) -> None:
         w1, w2, dy = self.w1, self.w2, self.dy
@@ -151,12 +148,8 @@ class ExpertFloor:
         run_groups(expert, self.spans, self.lanes)
 
 
-def _onednn_linear(a, weight_out_in):
-    return torch.ops.mkldnn._linear_pointwise(a, weight_out_in, None, "none", [], "")
-
-
 def onednn_floor_available() -> bool:
-    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+    return onednn_available()
 
 
 def expert_floor(x, wg, w1, w2, k, onednn: bool = False):
