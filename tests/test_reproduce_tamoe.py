@@ -150,13 +150,28 @@ def test_cluster_rows_from_a_bench_gates_folder():
     res = cluster_rows.load(os.path.join(repo, "docs", "data", "bench_gates"))
     conv = Table("c", "c", ["gate", "steps", "time", "best", "final", "share", "ms", "speedup", "source"])
     cluster_rows.add_gate_rows(conv, res)
-    assert len(conv.rows) == 8 and all(SOURCE.match(r[-1]) for r in conv.rows)
+    wanted = [r for r in res["runs"] if r["config"].split(":")[0] in ("gshard", "ta_moe")]
+    assert len(wanted) >= 2 and len(conv.rows) == len(wanted) and all(SOURCE.match(r[-1]) for r in conv.rows)
     local = next(r for r in conv.rows if r[0] == "ta_moe:local (2x2)")
     gshard = next(r for r in conv.rows if r[0] == "gshard (2x2)")
     assert local[5] < gshard[5] - 0.1 and "inter-node 100 MB/s, intra-node 400 MB/s" in local[-1]
+    shares = res["shaping"].get("cpu_shares_2x2")
+    assert ("fixed-speed ranks" in local[-1]) == bool(shares)
     empty = Table("e", "e", list(conv.columns))
     cluster_rows.add_gate_rows(empty, None)
     assert len(empty.rows) == 1 and SOURCE.match(empty.rows[0][-1]) and "not run here" in empty.rows[0][-1]
+
+
+def test_cluster_rows_name_the_ranks_speed():
+    """A row measured with capped ranks says so (and with the share); one measured with shared cores says that."""
+    from megamoe_plugin.bench.gates import shaping_label
+    capped = shaping_label({"shaping": {"inter": 1e8, "intra": 4e8, "cpu_shares_2x2": [0.45] * 4}})
+    assert capped == ("measured, emulated cluster: 2 nodes x 2, fixed-speed ranks (0.45 core each), "
+                      "inter-node 100 MB/s, intra-node 400 MB/s")
+    slow = shaping_label({"shaping": {"inter": 2.5e7, "cpu_shares_2x2": [0.45, 0.2, 0.45, 0.45]}}, "3 nodes")
+    assert slow == "measured, emulated cluster: 3 nodes, fixed-speed ranks (0.45, 0.2, 0.45, 0.45 cores), inter-node 25 MB/s"
+    shared = shaping_label({"shaping": {"inter": 1e8, "intra": None}})
+    assert shared == "measured, emulated cluster: 2 nodes x 2, ranks sharing the cores, inter-node 100 MB/s"
 
 
 def _interleave_worker(rank, world, tmp, result_file):

@@ -38,7 +38,13 @@ def shaping_label(results: dict, nodes: str = "2 nodes x 2") -> str:
     """How a row measured by this bench was obtained (the reproduce tables' source column)."""
     sh = results["shaping"]
     intra = f", intra-node {sh['intra'] / 1e6:.0f} MB/s" if sh.get("intra") else ""
-    return f"measured, emulated cluster: {nodes}, inter-node {sh['inter'] / 1e6:.0f} MB/s{intra}"
+    shares = sh.get("cpu_shares_2x2")
+    if shares:
+        speed = (f"fixed-speed ranks ({shares[0]:g} core each)" if len(set(shares)) == 1 else
+                 "fixed-speed ranks (" + ", ".join(f"{s:g}" for s in shares) + " cores)")
+    else:
+        speed = "ranks sharing the cores"
+    return f"measured, emulated cluster: {nodes}, {speed}, inter-node {sh['inter'] / 1e6:.0f} MB/s{intra}"
 
 
 MODEL = ["--hidden", "256", "--layers", "4", "--heads", "4", "--ffn-hidden", "512", "--moe-every", "1",
