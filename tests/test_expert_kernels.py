@@ -203,7 +203,9 @@ def test_grouped_mm_equals_loop_two_ranks():
 
 def test_auto_kernel_needs_the_margin_to_leave_the_loop(monkeypatch):
     x, w1, w2 = torch.randn(64, 8), torch.randn(2, 8, 16), torch.randn(2, 16, 8)
-    for timing, want in (((1.0, 0.95), "loop"), ((1.0, 0.5), "grouped_mm"), ((1.0, 1.5), "loop")):
+    for timing, want in (([(1.0, 0.95)] * 2, "loop"), ([(1.0, 0.5)] * 2, "grouped_mm"), ([(1.0, 1.5)] * 2, "loop"),
+                         # a quota pause inflated the loop's wall time; its CPU time shows the loop is faster
+                         ([(3.0, 1.2), (0.6, 0.6)], "loop")):
         choice.forget_decisions()
         monkeypatch.setattr(choice, "_time_both", lambda *a, t=timing: t)
         assert choice.choose_kernel("auto", x, w1, w2, "gelu", False) == want
@@ -212,6 +214,14 @@ def test_auto_kernel_needs_the_margin_to_leave_the_loop(monkeypatch):
     assert choice.choose_kernel("loop", x, w1, w2, "gelu", False) == "loop"
     assert choice.choose_kernel("grouped_mm", x, w1, w2, "gelu", False) == "grouped_mm"
     choice.forget_decisions()
+
+
+def test_auto_kernel_measures_both_clocks_on_real_kernels():
+    """The real measurement returns (loop, grouped) seconds by wall clock and by CPU time, all positive."""
+    if not grouped.available():
+        pytest.skip("this torch has no grouped GEMM")
+    clocks = choice._time_both(4, 16, 32, 32, torch.float32, "gelu", False, 64, 1, "auto")
+    assert len(clocks) == 2 and all(len(c) == 2 and min(c) > 0 for c in clocks)
 
 
 def test_grouped_mm_refused_clearly_when_torch_lacks_it(monkeypatch):

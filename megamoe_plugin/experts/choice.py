@@ -6,16 +6,17 @@
 - ``auto``: grouped_mm on CUDA (falling back to the loop, with a warning, if this torch's kernel refuses the dtype
   or the card); on CPU whichever measured faster for the layer's shape: both kernels run forward + backward on
   synthetic rows of that shape once per process (and per row-count bucket, dtype and thread budget), and the
-  grouped GEMM must beat the loop by ``GROUPED_MARGIN`` to be chosen, each timed as the best of ``TIMING_ROUNDS``
-  interleaved runs. The margin and the best-of keep the choice stable from one process to the next (a resumed run
-  computes with the kernel of the run it resumes); measured on this project's 2-core machines the loop is
-  1.4-2.3x faster on CPU for the standard shapes, so CPU runs keep it.
+  grouped GEMM must beat the loop by ``GROUPED_MARGIN`` to be chosen, on the wall clock and on the process's CPU
+  time alike, each the best of ``TIMING_ROUNDS`` interleaved runs. The choice must not flip from one process to
+  the next (a resumed run computes with the kernel of the run it resumes, and two runs of one seed must agree):
+  under a CPU quota (fixed-speed ranks) wall-clock timing alone did flip, and runs of one seed diverged. Measured on
+  this project's 2-core machines the loop is 1.4-2.3x faster on CPU for the standard shapes, so CPU runs keep it.
 """
 from __future__ import annotations
 
 import contextlib
 import time
-from typing import Dict, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
@@ -36,8 +37,10 @@ def _bucket(rows: int) -> int:
 
 
 def _time_both(E: int, H: int, F1: int, F: int, dtype: torch.dtype, activation: str, bias: bool, rows: int,
-               lanes: int, cpu_gemm: str) -> Tuple[float, float]:
-    """Forward + backward seconds of (loop, grouped_mm) on synthetic rows split evenly over the experts."""
+               lanes: int, cpu_gemm: str) -> List[Tuple[float, float]]:
+    """Forward + backward seconds of (loop, grouped_mm) on synthetic rows split evenly over the experts, by the
+    wall clock and by the process's CPU time: [(loop, grouped) wall, (loop, grouped) CPU]. A rank paused by its
+    CPU quota loses wall time but no CPU time, so the two clocks disagree exactly when a pause skewed a run."""
     g = torch.Generator().manual_seed(0)
     try:        # a dispatch mode of the caller (a memory meter, a profiler) does not see the synthetic run
         from torch.utils._python_dispatch import _disable_current_modes as hidden
@@ -58,13 +61,15 @@ def _time_both(E: int, H: int, F1: int, F: int, dtype: torch.dtype, activation: 
         }
         for fn in runs.values():
             fn().backward(dy)                                  # warm-up: allocator, kernel selection
-        best = {name: float("inf") for name in runs}
+        wall = {name: float("inf") for name in runs}
+        cpu = dict(wall)
         for _ in range(TIMING_ROUNDS):                         # interleaved: a pause hits one round, not one kernel
             for name, fn in runs.items():
-                t = time.perf_counter()
+                t, c = time.perf_counter(), time.process_time()
                 fn().backward(dy)
-                best[name] = min(best[name], time.perf_counter() - t)
-    return best["loop"], best["grouped_mm"]
+                wall[name] = min(wall[name], time.perf_counter() - t)
+                cpu[name] = min(cpu[name], time.process_time() - c)
+    return [(wall["loop"], wall["grouped_mm"]), (cpu["loop"], cpu["grouped_mm"])]
 
 
 def choose_kernel(requested: str, x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, activation: str,
@@ -88,9 +93,10 @@ def choose_kernel(requested: str, x: torch.Tensor, w1: torch.Tensor, w2: torch.T
            lane_budget(), cpu_lanes, cpu_gemm)
     if key not in _DECISIONS:
         try:
-            loop_s, grouped_s = _time_both(E, H, F1, w2.shape[1], x.dtype, activation, bias, _bucket(x.shape[0]),
-                                           cpu_lanes, cpu_gemm)
-            _DECISIONS[key] = "grouped_mm" if grouped_s <= GROUPED_MARGIN * loop_s else "loop"
+            clocks = _time_both(E, H, F1, w2.shape[1], x.dtype, activation, bias, _bucket(x.shape[0]), cpu_lanes,
+                                cpu_gemm)
+            wins = all(grouped_s <= GROUPED_MARGIN * loop_s for loop_s, grouped_s in clocks)
+            _DECISIONS[key] = "grouped_mm" if wins else "loop"
         except RuntimeError:          # this torch's CPU grouped GEMM refuses the dtype or shape
             _DECISIONS[key] = "loop"
     return _DECISIONS[key]
