@@ -8,8 +8,8 @@
   synthetic rows of that shape once per process (and per row-count bucket, dtype and thread budget), and the
   grouped GEMM must beat the loop by ``GROUPED_MARGIN`` to be chosen, on the wall clock and on the process's CPU
   time alike, each the best of ``TIMING_ROUNDS`` interleaved runs. The choice must not flip from one process to
-  the next (a resumed run computes with the kernel of the run it resumes, and two runs of one seed must agree):
-  under a CPU quota (fixed-speed ranks) wall-clock timing alone did flip, and runs of one seed diverged. Measured on
+  the next (a resumed run computes with the kernel of the run it resumes, and two runs of one seed must agree);
+  under a CPU quota (fixed-speed ranks) the wall clock alone flips it, and runs of one seed diverge. Measured on
   this project's 2-core machines the loop is 1.4-2.3x faster on CPU for the standard shapes, so CPU runs keep it.
 """
 from __future__ import annotations
