@@ -18,7 +18,18 @@ import torch
 import torch.distributed as dist
 
 
-def _entry(rank: int, world: int, init_file: str, threads: int, fn, args) -> None:
+def _forget_inherited_finalizers() -> None:
+    """A forked child inherits the parent's weakref finalizers, a ``tempfile.TemporaryDirectory``'s cleanup among
+    them. Its exit handlers (run below) must not run them: the child would delete the parent's temporary
+    directories, files the parent reads after the join included."""
+    import weakref
+    for f in list(getattr(weakref.finalize, "_registry", {})):
+        f.atexit = False
+
+
+def _entry(rank: int, world: int, init_file: str, threads: int, fn, args, forked: bool = False) -> None:
+    if forked:
+        _forget_inherited_finalizers()
     os.environ.update(WORLD_SIZE=str(world), RANK=str(rank), LOCAL_RANK=str(rank))
     os.environ.pop("LOCAL_WORLD_SIZE", None)          # one node of `world` ranks (Topology.from_env)
     torch.set_num_threads(threads)
@@ -50,7 +61,7 @@ def run_processes(fn, world: int, *args, threads: Optional[int] = None, label: O
     if label and not quiet:
         print(f"[{label}] starting {world} processes ...", file=sys.stderr, flush=True)
     with tempfile.TemporaryDirectory() as d:
-        mp.start_processes(_entry, args=(world, os.path.join(d, "init"), int(threads or 1), fn, args),
-                           nprocs=world, join=True, start_method=method)
+        mp.start_processes(_entry, args=(world, os.path.join(d, "init"), int(threads or 1), fn, args,
+                                         method == "fork"), nprocs=world, join=True, start_method=method)
     if label and not quiet:
         print(f"[{label}] done in {time.perf_counter() - t0:.0f}s", file=sys.stderr, flush=True)
