@@ -19,10 +19,10 @@ started from (measured: FlexMoE at 512 tokens per rank, 0.89x of static with 1 o
 kept on a lucky window keeps losing afterwards. So the guard also keeps the ``reference``: the median of the steps
 run under the original placement (the last ``REFERENCE_STEPS`` of them; a policy makes no change before
 ``min_reference`` such steps exist). Away from the original placement it watches the median of the steps since
-the placement left it (the last ``4 x REFERENCE_STEPS``), at 2, 4, 8, ... windows after leaving (a growing sample, so the verdicts get surer and
-rarer), and each pending change's window too: slower than the reference by more than ``margin`` returns to the
-original placement (slot table and shadow set), whatever the last change did, and pauses the policy
-``max_pause`` runs. After ``max_returns`` returns the policy stops for the rest of the run (``stopped``): on this
+the placement left it (up to the last ``4 x REFERENCE_STEPS``), at 2, 4, 8, ... windows after leaving (a growing
+sample, so the verdicts get surer and rarer), and each pending change's window too: slower than the reference by
+more than ``margin`` returns to the original placement (slot table and shadow set), whatever the last change did,
+and pauses the policy ``max_pause`` runs. After ``max_returns`` returns the policy stops for the rest of the run (``stopped``): on this
 run its cost model predicts gains it does not deliver, and each further try costs steps.
 """
 from __future__ import annotations
@@ -139,7 +139,7 @@ class PayoffGuard:
 
     def _watch(self, interval: int):
         """Away from the original placement with no change pending: at 2, 4, 8, ... windows since leaving it,
-        the median of every step since then against the reference."""
+        the median of the steps since then (up to the last 4 x REFERENCE_STEPS) against the reference."""
         if self.at_origin or self.reference is None or self.origin is None:
             return None
         if self.away_steps < max(self._next_watch, 2 * self.window(interval)):
