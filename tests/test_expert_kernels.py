@@ -211,8 +211,26 @@ def test_auto_kernel_needs_the_margin_to_leave_the_loop(monkeypatch):
         assert choice.choose_kernel("auto", x, w1, w2, "gelu", False) == want
     monkeypatch.setattr(choice, "_time_both", lambda *a: (_ for _ in ()).throw(AssertionError("measured twice")))
     assert choice.choose_kernel("auto", x, w1, w2, "gelu", False) == "loop"     # cached per shape
+    # placement and shadowing change the expert count and the rows of a rank: no new measurement
+    assert choice.choose_kernel("auto", torch.randn(700, 8), torch.randn(5, 8, 16), torch.randn(5, 16, 8),
+                                "gelu", False) == "loop"
     assert choice.choose_kernel("loop", x, w1, w2, "gelu", False) == "loop"
     assert choice.choose_kernel("grouped_mm", x, w1, w2, "gelu", False) == "grouped_mm"
+    choice.forget_decisions()
+
+
+def test_auto_kernel_times_a_bounded_number_of_rows(monkeypatch):
+    """The synthetic timing runs on the first call's experts and at most MAX_TIMING_ROWS rows, however many the
+    call has (a capped rank pays for every timed pass)."""
+    seen = []
+    monkeypatch.setattr(choice, "_time_both", lambda *a: seen.append(a) or [(1.0, 2.0)] * 2)
+    choice.forget_decisions()
+    x, w1, w2 = torch.randn(9000, 8), torch.randn(3, 8, 16), torch.randn(3, 16, 8)
+    assert choice.choose_kernel("auto", x, w1, w2, "gelu", False) == "loop"
+    assert len(seen) == 1 and seen[0][0] == 3 and seen[0][7] == 2048 == choice.MAX_TIMING_ROWS
+    choice.forget_decisions()
+    choice.choose_kernel("auto", torch.randn(100, 8), w1, w2, "gelu", False)
+    assert seen[1][7] == 128                     # a small call: its own row bucket
     choice.forget_decisions()
 
 

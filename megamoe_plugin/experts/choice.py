@@ -5,12 +5,17 @@
 - ``loop`` (experts/loop.py): one GEMM per expert, side by side on CPU lanes, oneDNN on CPU.
 - ``auto``: grouped_mm on CUDA (falling back to the loop, with a warning, if this torch's kernel refuses the dtype
   or the card); on CPU whichever measured faster for the layer's shape: both kernels run forward + backward on
-  synthetic rows of that shape once per process (and per row-count bucket, dtype and thread budget), and the
-  grouped GEMM must beat the loop by ``GROUPED_MARGIN`` to be chosen, on the wall clock and on the process's CPU
-  time alike, each the best of ``TIMING_ROUNDS`` interleaved runs. The choice must not flip from one process to
-  the next (a resumed run computes with the kernel of the run it resumes, and two runs of one seed must agree);
-  under a CPU quota (fixed-speed ranks) the wall clock alone flips it, and runs of one seed diverge. Measured on
-  this project's 2-core machines the loop is 1.4-2.3x faster on CPU for the standard shapes, so CPU runs keep it.
+  synthetic rows once per process and per expert shape (hidden and FFN sizes, activation, bias, dtype, thread
+  budget), with the first call's expert count and row count (at most ``MAX_TIMING_ROWS``), and the grouped GEMM
+  must beat the loop by ``GROUPED_MARGIN`` to be chosen, on the wall clock and on the process's CPU time alike,
+  each the best of ``TIMING_ROUNDS`` interleaved runs. The expert count and the row count are not part of the
+  decision's key: placement and shadowing change both from step to step, and measuring again after each change
+  cost a capped rank seconds per layer (12 forward + backward passes on up to 4x the rank's rows), which the
+  pay-off guard then charged to the change. The choice must not flip from one process to the next (a resumed run
+  computes with the kernel of the run it resumes, and two runs of one seed must agree); under a CPU quota
+  (fixed-speed ranks) the wall clock alone flips it, and runs of one seed diverge. Measured on this project's
+  2-core machines the loop is 1.06-1.5x faster than the grouped GEMM on CPU at every expert count (4-64) and row
+  count (256-8,192) tried, far from the margin, so CPU runs keep it.
 """
 from __future__ import annotations
 
@@ -28,6 +33,8 @@ KERNELS = ("auto", "grouped_mm", "loop")
 GROUPED_MARGIN = 0.75         # grouped_mm is chosen on CPU only when it takes <= 0.75x the loop's time
 TIMING_ROUNDS = 5             # best of this many interleaved runs each: a rank under a CPU quota (a CFS period of
                               # 10 ms, `megamoe cluster run --cpu-share`) is paused for part of some runs
+
+MAX_TIMING_ROWS = 2048        # rows of the synthetic timing run: enough to load every expert, cheap under a quota
 
 _DECISIONS: Dict[Tuple, str] = {}
 
@@ -89,12 +96,12 @@ def choose_kernel(requested: str, x: torch.Tensor, w1: torch.Tensor, w2: torch.T
     if x.device.type != "cpu":
         return "loop"
     E, H, F1 = w1.shape
-    key = (E, H, F1, w2.shape[1], x.dtype, activation, bias, _bucket(x.shape[0]), torch.get_num_threads(),
-           lane_budget(), cpu_lanes, cpu_gemm)
+    key = (H, F1, w2.shape[1], x.dtype, activation, bias, torch.get_num_threads(), lane_budget(), cpu_lanes,
+           cpu_gemm)
     if key not in _DECISIONS:
         try:
-            clocks = _time_both(E, H, F1, w2.shape[1], x.dtype, activation, bias, _bucket(x.shape[0]), cpu_lanes,
-                                cpu_gemm)
+            rows = min(_bucket(x.shape[0]), MAX_TIMING_ROWS)
+            clocks = _time_both(E, H, F1, w2.shape[1], x.dtype, activation, bias, rows, cpu_lanes, cpu_gemm)
             wins = all(grouped_s <= GROUPED_MARGIN * loop_s for loop_s, grouped_s in clocks)
             _DECISIONS[key] = "grouped_mm" if wins else "loop"
         except RuntimeError:          # this torch's CPU grouped GEMM refuses the dtype or shape
