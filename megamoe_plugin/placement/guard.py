@@ -22,8 +22,8 @@ run under the original placement (the last ``REFERENCE_STEPS`` of them; a policy
 the placement left it (up to the last ``4 x REFERENCE_STEPS``), at 2, 4, 8, ... windows after leaving (a growing
 sample, so the verdicts get surer and rarer), and each pending change's window too: slower than the reference by
 more than ``margin`` returns to the original placement (slot table and shadow set), whatever the last change did,
-and pauses the policy ``max_pause`` runs. After ``max_returns`` returns the policy stops for the rest of the run (``stopped``): on this
-run its cost model predicts gains it does not deliver, and each further try costs steps.
+and pauses the policy ``max_pause`` runs. After ``max_returns`` returns the policy stops for the rest of the run
+(``stopped``): on this run its cost model predicts gains it does not deliver, and each further try costs steps.
 """
 from __future__ import annotations
 
