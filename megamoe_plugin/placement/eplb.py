@@ -15,6 +15,11 @@ Given each expert's load (a moving average of its token counts) and ``P x S`` ph
    is given to the current rank that already holds most of its experts) and reached by Expand / Shrink / Migrate
    moves (``moves_to``), which carry parameters and optimizer state.
 
+At run time the planner also builds a move-aware table (``eplb_table(current=...)``: where two packs are equally
+light, an expert stays on the node, and a replica on the rank, that holds it now; on a skewed layer most experts
+are light, and the published packing reshuffles them by ties) and keeps whichever of the two the cost model
+predicts faster, transfers included.
+
 ``EPLBPlanner`` reruns this every call (the policy calls it every ``--moe-placement-interval`` steps) from an
 exponential moving average of the counts, and keeps a new table only when the cost model predicts it is faster
 than the current placement by more than the moves' transfer time amortised over the interval: on balanced
@@ -47,11 +52,17 @@ def replicate_by_load(load: Sequence[float], slots: int, max_replicas: Optional[
 
 
 def balanced_packing(weights: Sequence[float], capacities: Sequence[int],
-                     labels: Optional[Sequence[int]] = None) -> List[int]:
+                     labels: Optional[Sequence[int]] = None,
+                     prefer: Optional[Sequence[Sequence[int]]] = None, tolerance: float = 0.0) -> List[int]:
     """The pack of each item: heaviest first (ties: lower index), each to the lightest pack (ties: lower pack) that
     still has room (``capacities[p]`` items) and, with ``labels``, holds no item of the same label yet. With labels,
     the items whose label repeats (an expert's replicas) go first, heaviest first: placed last, they could find the
-    only packs with room already holding their expert."""
+    only packs with room already holding their expert.
+
+    ``prefer[i]``: packs item i already sits in (the current placement). The item goes to the first of them that
+    has room and where it does not raise the heaviest pack's total, instead of the lightest pack: the result is as
+    balanced at every greedy step, and the light items (most of a skewed layer's experts) stay where they are
+    instead of being reshuffled by ties."""
     if len(weights) != sum(capacities):
         raise ValueError(f"{len(weights)} items do not fill packs of {list(capacities)}")
     repeats = {} if labels is None else {lab: list(labels).count(lab) for lab in labels}
@@ -60,14 +71,20 @@ def balanced_packing(weights: Sequence[float], capacities: Sequence[int],
     total, size = [0.0] * len(capacities), [0] * len(capacities)
     held: List[set] = [set() for _ in capacities]
     pack = [-1] * len(weights)
+    slack = tolerance * sum(float(w) for w in weights) / len(capacities)
     for i in order:
         ok = [p for p in range(len(capacities))
               if size[p] < capacities[p] and (labels is None or labels[i] not in held[p])]
         if not ok:
             raise PlacementError("balanced packing: no pack has room for an item without repeating its expert")
+        w = float(weights[i])
         p = min(ok, key=lambda q: (total[q], q))
+        if prefer is not None:
+            stay = [q for q in prefer[i] if q in ok and total[q] <= total[p] + slack]
+            if stay:
+                p = stay[0]
         pack[i] = p
-        total[p] += float(weights[i])
+        total[p] += w
         size[p] += 1
         if labels is not None:
             held[p].add(labels[i])
@@ -75,10 +92,12 @@ def balanced_packing(weights: Sequence[float], capacities: Sequence[int],
 
 
 def eplb_table(load: Sequence[float], nodes: Sequence[Sequence[int]], slots_per_rank: int,
-               keep_free: int = 1) -> List[List[int]]:
+               keep_free: int = 1, current: Optional[Sequence[Sequence[Optional[int]]]] = None) -> List[List[int]]:
     """The target slot table: for every rank (in rank order) the experts of its slots. ``nodes``: the ranks of each
     node. ``keep_free`` slots (on the last ranks) stay empty: moving to the table needs one free slot to reorder
-    full ranks through (there is no swap primitive)."""
+    full ranks through (there is no swap primitive). ``current``: the experts each rank holds now (None = free
+    slot); with it, packing keeps an expert on its node and a replica on a rank that holds its expert wherever
+    that is as balanced (``balanced_packing``'s ``prefer``), so a new table moves only what balance needs."""
     load = [float(x) for x in load]
     num_experts = len(load)
     ranks = sorted(r for node in nodes for r in node)
@@ -89,15 +108,22 @@ def eplb_table(load: Sequence[float], nodes: Sequence[Sequence[int]], slots_per_
     capacity = {r: slots_per_rank for r in ranks}
     for r in sorted(ranks, reverse=True)[:keep_free]:
         capacity[r] -= 1
+    held = [set() for _ in ranks] if current is None else [{e for e in row if e is not None} for row in current]
     per_node = num_experts // len(nodes)
-    node_of_expert = balanced_packing(load, [per_node] * len(nodes)) if len(nodes) > 1 else [0] * num_experts
+    node_pref = None
+    if current is not None:                              # the nodes holding most of each expert's replicas first
+        node_pref = [sorted((k for k, node in enumerate(nodes) if any(e in held[r] for r in node)),
+                            key=lambda k: -sum(e in held[r] for r in nodes[k])) for e in range(num_experts)]
+    node_of_expert = (balanced_packing(load, [per_node] * len(nodes), prefer=node_pref) if len(nodes) > 1
+                      else [0] * num_experts)
     table: List[List[int]] = [[] for _ in ranks]
     for k, node in enumerate(nodes):
         experts = [e for e in range(num_experts) if node_of_expert[e] == k]
         count = replicate_by_load([load[e] for e in experts], sum(capacity[r] for r in node), len(node))
         items = [e for e, c in zip(experts, count) for _ in range(c)]
         weights = [load[e] / c for e, c in zip(experts, count) for _ in range(c)]
-        pack = balanced_packing(weights, [capacity[r] for r in node], labels=items)
+        rank_pref = None if current is None else [[p for p, r in enumerate(node) if e in held[r]] for e in items]
+        pack = balanced_packing(weights, [capacity[r] for r in node], labels=items, prefer=rank_pref)
         for e, p in zip(items, pack):
             table[node[p]].append(e)
     return [sorted(t) for t in table]
@@ -214,24 +240,30 @@ class EPLBPlanner:
         nodes = self.nodes or nodes_from_bandwidth(self.cm.network.bandwidth_matrix()[:state.num_ranks,
                                                                                       :state.num_ranks])
         nbytes = model_state_bytes(self.cm.shape)
-        target = None
+        load = self.average.sum(0).tolist()
+        current = [state.slots_of(r) for r in range(state.num_ranks)]
+        before = self.cm.layer_time(self.average, state.placement()).total
+        best = None                                       # (predicted step + amortised transfer, moves, after, transfer)
         for groups in (nodes, [list(range(state.num_ranks))]):   # hierarchical; else balanced over all ranks
-            try:
-                target = _match_ranks(state, eplb_table(self.average.sum(0).tolist(), groups, state.slots_per_rank),
-                                      groups)
+            for here in (None, current):                  # the published packing, and the move-aware one
+                try:
+                    target = _match_ranks(state, eplb_table(load, groups, state.slots_per_rank, current=here), groups)
+                    moves = moves_to(state, target, nbytes)
+                except (PlacementError, ValueError):      # no table without two replicas of an expert on a rank
+                    continue
+                after = self.cm.layer_time(self.average, state.copy().apply(moves).placement()).total
+                transfer = sum(self.cm.move_time(m.nbytes, m.src, m.dst) for m in moves if m.communicates)
+                net = after + transfer / self.horizon
+                if best is None or net < best[0]:
+                    best = (net, moves, after, transfer)
+            if best is not None:
                 break
-            except (PlacementError, ValueError):          # no table without two replicas of an expert on a rank
-                continue
-        if target is None:
-            self.last = {"triggered": False, "time_before": 0.0, "time_after": 0.0, "transfer_time": 0.0,
+        if best is None:
+            self.last = {"triggered": False, "time_before": before, "time_after": before, "transfer_time": 0.0,
                          "moves": 0}
             return []
-        moves = moves_to(state, target, nbytes)
-        trial = state.copy().apply(moves)
-        before = self.cm.layer_time(self.average, state.placement()).total
-        after = self.cm.layer_time(self.average, trial.placement()).total
-        transfer = sum(self.cm.move_time(m.nbytes, m.src, m.dst) for m in moves if m.communicates)
-        pays = bool(moves) and after + transfer / self.horizon < before * (1.0 - self.min_gain)
+        net, moves, after, transfer = best
+        pays = bool(moves) and net < before * (1.0 - self.min_gain)
         self.last = {"triggered": pays, "time_before": before, "time_after": after if pays else before,
                      "transfer_time": transfer if pays else 0.0, "moves": len(moves) if pays else 0}
         return moves if pays else []
