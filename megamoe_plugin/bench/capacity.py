@@ -10,7 +10,8 @@ trained from the same data with each of:
   one static capacity factor (GShard's drop and pad);
 - ``dynamic``: ``--moe-capacity-policy dynamic`` (per-expert moving average + max(20% headroom, 2 standard
   deviations), RECOMPILE off the critical path); ``dynamic q=0.9``: each expert's capacity the 0.9-quantile of its
-  demand over the last 32 steps;
+  demand over the last 32 steps; ``dynamic q=0.9 B=f`` (f = 2.0, 3.0, 4.0): the same within a rank budget
+  (``--moe-capacity-rank-budget f``): each rank's experts together get at most the rows static CF=f gives the rank;
 - ``dropless``: no capacity, nothing dropped (the quality reference).
 
 Every seed (``--seeds``) runs each configuration once, interleaved (seed by seed). Per run: the median step time,
@@ -42,6 +43,8 @@ CONFIGS = {
     "CF=4.0": CAPACITY + ["--moe-capacity-factor", "4.0"],
     "dynamic": CAPACITY + ["--moe-capacity-policy", "dynamic"],
     "dynamic q=0.9": CAPACITY + ["--moe-capacity-policy", "dynamic", "--moe-capacity-quantile", "0.9"],
+    **{f"dynamic q=0.9 B={f}": CAPACITY + ["--moe-capacity-policy", "dynamic", "--moe-capacity-quantile", "0.9",
+                                           "--moe-capacity-rank-budget", f] for f in ("2.0", "3.0", "4.0")},
     "dropless": [],
 }
 DEFAULT_CONFIGS = ["CF=1.0", "CF=1.25", "CF=1.5", "CF=2.0", "dynamic", "dynamic q=0.9", "dropless"]
@@ -98,9 +101,9 @@ def plot(summary: Dict[str, dict], path: str, label: str) -> Optional[str]:
 
 
 def format_summary(summary: Dict[str, dict]) -> str:
-    lines = [f"{'config':<14} {'step ms':>14} {'dropped':>15} {'link MB/step':>14} {'valid loss':>16}  dominated by"]
+    lines = [f"{'config':<20} {'step ms':>14} {'dropped':>15} {'link MB/step':>14} {'valid loss':>16}  dominated by"]
     for name, s in summary.items():
-        lines.append(f"{name:<14} {s['step_seconds'][0] * 1e3:>7.0f} ± {s['step_seconds'][1] * 1e3:<4.0f} "
+        lines.append(f"{name:<20} {s['step_seconds'][0] * 1e3:>7.0f} ± {s['step_seconds'][1] * 1e3:<4.0f} "
                      f"{s['dropped'][0]:>7.3f} ± {s['dropped'][1]:<5.3f} "
                      f"{s['link_bytes_per_step'][0] / 1e6:>14.2f} "
                      f"{s['final_valid_loss'][0]:>8.4f} ± {s['final_valid_loss'][1]:<5.4f}  "
