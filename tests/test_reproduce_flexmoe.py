@@ -247,3 +247,12 @@ def test_triggered_planner_policies():
     assert var.plan(State([1.2, 0.8, 1.0, 1.0]), None) == []           # CV^2 = 0.02
     with pytest.raises(ValueError, match="trigger"):
         TriggeredPlanner(rec, "sometimes")
+
+
+def test_cluster_rows_say_how_the_ranks_ran():
+    from megamoe_plugin.reproduce.flexmoe import shaping_label
+    assert shaping_label({}) == "measured, emulated cluster: 2 nodes x 2, ranks sharing the cores, inter-node 100 MB/s"
+    assert shaping_label({"cpu_shares": [0.45] * 4, "inter_node_bandwidth": 25e6, "tokens_per_rank": 2048}) == (
+        "measured, emulated cluster: 2 nodes x 2, fixed-speed ranks (0.45 core each), inter-node 25 MB/s, "
+        "2,048 tokens per rank")
+    assert "ranks sharing the cores" in shaping_label({"cpu_shares": None, "inter_node_bandwidth": 1e8})

@@ -626,7 +626,20 @@ def _planners_results(path: Optional[str]):
         return None, None
     with open(os.path.join(path, "results.json")) as f:
         res = json.load(f)
-    return res, "measured, emulated cluster: 2 nodes x 2, inter-node 100 MB/s"
+    return res, shaping_label(res.get("setup") or {})
+
+
+def shaping_label(setup: dict) -> str:
+    """How the cluster runs of `megamoe bench planners` were measured, from their recorded set-up: the ranks'
+    CPU shares (fixed-speed ranks) or shared cores (results that predate the shares or ran with --cpu-share off),
+    the inter-node bandwidth and the tokens per rank."""
+    bw = setup.get("inter_node_bandwidth") or 100e6
+    shares = [s for s in (setup.get("cpu_shares") or []) if s]
+    ranks = (f"fixed-speed ranks ({shares[0]:g} core each)" if shares and len(set(shares)) == 1
+             else f"fixed-speed ranks ({', '.join(f'{s:g}' for s in shares)} cores)" if shares
+             else "ranks sharing the cores")
+    tokens = f", {setup['tokens_per_rank']:,} tokens per rank" if setup.get("tokens_per_rank") else ""
+    return f"measured, emulated cluster: 2 nodes x 2, {ranks}, inter-node {bw / 1e6:g} MB/s{tokens}"
 
 
 def _run(out_dir: str, fast: bool, log, cluster_results: Optional[str] = None) -> dict:
