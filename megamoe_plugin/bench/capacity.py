@@ -12,6 +12,9 @@ trained from the same data with each of:
   deviations), RECOMPILE off the critical path); ``dynamic q=0.9``: each expert's capacity the 0.9-quantile of its
   demand over the last 32 steps; ``dynamic q=0.9 B=f`` (f = 2.0, 3.0, 4.0): the same within a rank budget
   (``--moe-capacity-rank-budget f``): each rank's experts together get at most the rows static CF=f gives the rank;
+  ``dynamic last B=f``: within the same budget, each expert's capacity 1.25 x its demand of the step before (no
+  smoothing, no hysteresis, decided before the next step: ``--moe-recompile-delta-launch 0``), for routing that
+  drifts faster than a moving average or a 32-step quantile follows;
 - ``dropless``: no capacity, nothing dropped (the quality reference).
 
 Every seed (``--seeds``) runs each configuration once, interleaved (seed by seed). Per run: the median step time,
@@ -45,6 +48,11 @@ CONFIGS = {
     "dynamic q=0.9": CAPACITY + ["--moe-capacity-policy", "dynamic", "--moe-capacity-quantile", "0.9"],
     **{f"dynamic q=0.9 B={f}": CAPACITY + ["--moe-capacity-policy", "dynamic", "--moe-capacity-quantile", "0.9",
                                            "--moe-capacity-rank-budget", f] for f in ("2.0", "3.0", "4.0")},
+    **{f"dynamic last B={f}": CAPACITY + ["--moe-capacity-policy", "dynamic", "--moe-capacity-smoothing", "0",
+                                          "--moe-capacity-spread", "0", "--moe-capacity-headroom", "0.25",
+                                          "--moe-capacity-hysteresis", "0", "--moe-capacity-min-interval", "1",
+                                          "--moe-recompile-delta-launch", "0", "--moe-capacity-rank-budget", f]
+       for f in ("2.0", "3.0", "4.0")},
     "dropless": [],
 }
 DEFAULT_CONFIGS = ["CF=1.0", "CF=1.25", "CF=1.5", "CF=2.0", "dynamic", "dynamic q=0.9", "dropless"]
