@@ -33,6 +33,8 @@ experts are capped first (water-filling). Under expert parallelism the busiest r
 capacity that follows a hot expert's demand gives its rank more rows than any static factor would: measured on
 the emulated cluster, the dynamic policies dropped as much as CF=4.0 at a slower step. Within the budget a rank
 computes and exchanges no more rows than under static f, and the cold experts' unused padding goes to the hot ones.
+That pays only where the per-expert demand can be forecast from past steps: with a few dozen tokens per expert and
+source rank and hot experts that change within a few steps, the budgeted policies dropped more than static f.
 
 Demand is per source rank (capacity is per source rank in the capacity dispatch), maximised over the ranks of the
 job so every rank applies the same capacities. "Average capacity factor" = buffer rows / assignments (1.0 = no
