@@ -20,7 +20,7 @@ TABLES = {"fig5_time_to_quality", "fig6ab_policies", "fig6c_cost_model", "fig6c_
           "fig7a_efficiency", "fig7b_scaling"}
 FIGURES = {"fig6ab_policies", "fig6c_cost_model", "fig7a_efficiency", "fig7b_scaling"}
 # the measured results of `megamoe bench planners` on the emulated cluster, shipped with the docs
-PLANNERS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "docs", "data", "bench_planners")
+PLANNERS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "docs", "data", "bench_planners_fixed_speed", "fig5")
 # paper 001 Table 2, validation perplexity: (DeepSpeed, FlexMoE), copied from the paper's text
 PAPER_PPL = {"BERT-MoE-S": (3.53, 3.14), "BERT-MoE-L": (3.31, 3.07), "GPT-MoE-S": (12.2, 11.72),
              "GPT-MoE-L": (10.71, 10.47)}

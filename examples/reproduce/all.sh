@@ -13,7 +13,7 @@ cd "$(dirname "$0")/../.."
 PAPERS=${PAPERS:-"tamoe fastermoe flexmoe dynamoe deployment"}
 OUT=${OUT:-results}
 CLUSTER_GATES=${CLUSTER_GATES:-docs/data/bench_gates}
-CLUSTER_PLANNERS=${CLUSTER_PLANNERS:-docs/data/bench_planners}
+CLUSTER_PLANNERS=${CLUSTER_PLANNERS:-docs/data/bench_planners_fixed_speed/fig5}
 mkdir -p "$OUT"
 START=$(date +%s)
 for p in $PAPERS; do
