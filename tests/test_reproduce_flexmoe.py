@@ -184,7 +184,8 @@ def test_fig5_time_to_quality(result):
     assert [r["FlexMoE faster by"] for r in paper] == ["1.70x avg, up to 2.10x", "1.30x avg, up to 1.45x"]
     cluster = [r for r in rows if r["source"].startswith("measured, emulated cluster")]
     assert {r["system"] for r in cluster} == {"DeepSpeed (static EP, capacity)", "static EP, dropless",
-                                              "FasterMoE (shadowing)", "FlexMoE"}
+                                              "FasterMoE (shadowing)", "FlexMoE", "EPLB (DeepSeek; measured only)"}
+    assert all("fixed-speed ranks (0.45 core each)" in r["source"] for r in cluster)
     for routing in {r["routing"] for r in cluster}:
         mine = {r["system"]: r for r in cluster if r["routing"] == routing}
         flex = _num(mine["FlexMoE"]["time to target (s)"])

@@ -33,6 +33,7 @@ SYSTEMS = {"capacity": ("DeepSpeed (static EP, capacity)", "static EP, capacity 
            "static": ("static EP, dropless", "static EP, dropless"),
            "shadow": ("FasterMoE (shadowing)", "FasterMoE shadowing"),
            "flexmoe": ("FlexMoE", "FlexMoE")}
+MEASURED_ONLY = {"eplb": "EPLB (DeepSeek; measured only)"}     # runs with no Fig. 7(b) strategy to predict from
 
 
 def steps_to_target(run: dict, target: float) -> Tuple[Optional[int], Optional[float]]:
@@ -63,7 +64,8 @@ def time_to_quality(planners: Optional[dict], scale: Optional[Dict[tuple, dict]]
         for r in runs:
             steps, secs = got[r["run"]]
             faster = flex and secs and secs / flex
-            t.add(f"{routing} (target {target:.4f})", SYSTEMS.get(r["run"], (r["run"],))[0], steps, secs,
+            name = SYSTEMS[r["run"]][0] if r["run"] in SYSTEMS else MEASURED_ONLY.get(r["run"], r["run"])
+            t.add(f"{routing} (target {target:.4f})", name, steps, secs,
                   r["step_seconds"] * 1e3, faster if r["run"] != "flexmoe" else 1.0, shaping)
             if routing == "skewed":
                 skewed_steps[r["run"]] = steps
@@ -78,19 +80,25 @@ def time_to_quality(planners: Optional[dict], scale: Optional[Dict[tuple, dict]]
                     continue
                 t.add(f"{W} GPUs, 64 experts", system, n, n * step_s[run], step_s[run] * 1e3,
                       n * step_s[run] / flex, predicted("flexmoe-a100"))
+    setup = planners.get("setup") or {}
+    some_run = next(iter(planners["cluster"].values()))[0]
+    evals = [e["step"] for e in some_run["evals"]]
+    every = evals[1] - evals[0] if len(evals) > 1 else evals[0]
+    steps = setup.get("steps") or evals[-1]
+    order = (f"{setup['rounds']} interleaved round(s)" if setup.get("rounds") else "one run per system, runs one after "
+             "another")
     t.notes += [
-        "measured: `megamoe bench planners` on the emulated cluster (2 nodes x 2 ranks, inter-node links shaped to "
-        "100 MB/s, 2 cores shared by the 4 ranks): 4 MoE layers of 16 experts, EP=4, "
-        "200 steps, one run per system, runs one after another; 'skewed' = switch top-1 without balance loss, "
+        f"measured: `megamoe bench planners` on the emulated cluster ({shaping.split(': ', 1)[-1]}): 4 MoE layers of "
+        f"16 experts, EP=4, {steps} steps, {order}; 'skewed' = switch top-1 without balance loss, "
         "'balanced' = gshard top-2 with its balance loss. DeepSpeed stands as static EP with capacity factor 1.25 "
         "(drops). Target = the worst run's best validation loss; iterations and training seconds (evaluations "
-        "excluded) at the first evaluation (every 25 steps) at or below it.",
+        f"excluded) at the first evaluation (every {every} steps) at or below it.",
         "predicted: the skewed runs' measured iterations to the target x Fig. 7(b)'s predicted step time of the same "
         "system at that scale (flexmoe-a100, 64 experts, synthetic drifting Zipf routing; DeepSpeed there with "
         "capacity factor 1.0). FlexMoE faster by = the system's time to target / FlexMoE's.",
         "the measured time-to-target differences between the dropless systems come from their step times only "
         "if they need the same iterations; here their losses differ by run-to-run noise (one seed), which moves "
-        "the iterations by one evaluation interval (25 steps, 12%)."]
+        f"the iterations by one evaluation interval ({every} steps, {100 * every / max(steps, 1):.0f}%)."]
     return t
 
 
