@@ -53,16 +53,16 @@ def replicate_by_load(load: Sequence[float], slots: int, max_replicas: Optional[
 
 def balanced_packing(weights: Sequence[float], capacities: Sequence[int],
                      labels: Optional[Sequence[int]] = None,
-                     prefer: Optional[Sequence[Sequence[int]]] = None, tolerance: float = 0.0) -> List[int]:
+                     prefer: Optional[Sequence[Sequence[int]]] = None) -> List[int]:
     """The pack of each item: heaviest first (ties: lower index), each to the lightest pack (ties: lower pack) that
     still has room (``capacities[p]`` items) and, with ``labels``, holds no item of the same label yet. With labels,
     the items whose label repeats (an expert's replicas) go first, heaviest first: placed last, they could find the
     only packs with room already holding their expert.
 
-    ``prefer[i]``: packs item i already sits in (the current placement). The item goes to the first of them that
-    has room and where it does not raise the heaviest pack's total, instead of the lightest pack: the result is as
-    balanced at every greedy step, and the light items (most of a skewed layer's experts) stay where they are
-    instead of being reshuffled by ties."""
+    ``prefer[i]``: packs item i already sits in (the current placement). Where one of them has room and is as light
+    as the lightest pack, the item goes there (the first such): every greedy step is as balanced as without the
+    preference, and the weightless items (most of a skewed layer's experts) stay where they are instead of being
+    reshuffled by ties."""
     if len(weights) != sum(capacities):
         raise ValueError(f"{len(weights)} items do not fill packs of {list(capacities)}")
     repeats = {} if labels is None else {lab: list(labels).count(lab) for lab in labels}
@@ -71,20 +71,18 @@ def balanced_packing(weights: Sequence[float], capacities: Sequence[int],
     total, size = [0.0] * len(capacities), [0] * len(capacities)
     held: List[set] = [set() for _ in capacities]
     pack = [-1] * len(weights)
-    slack = tolerance * sum(float(w) for w in weights) / len(capacities)
     for i in order:
         ok = [p for p in range(len(capacities))
               if size[p] < capacities[p] and (labels is None or labels[i] not in held[p])]
         if not ok:
             raise PlacementError("balanced packing: no pack has room for an item without repeating its expert")
-        w = float(weights[i])
         p = min(ok, key=lambda q: (total[q], q))
         if prefer is not None:
-            stay = [q for q in prefer[i] if q in ok and total[q] <= total[p] + slack]
+            stay = [q for q in prefer[i] if q in ok and total[q] <= total[p]]
             if stay:
                 p = stay[0]
         pack[i] = p
-        total[p] += w
+        total[p] += float(weights[i])
         size[p] += 1
         if labels is not None:
             held[p].add(labels[i])
