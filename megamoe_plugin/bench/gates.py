@@ -29,7 +29,7 @@ from typing import Dict, List, Optional
 
 import torch
 
-from ..cluster import netns
+from ..cluster import cpu_caps, netns
 from ..cluster.launcher import run_job
 
 TOPOLOGIES = {"2x2": (2, 2), "3asym": (3, [2, 1, 1])}
@@ -38,12 +38,7 @@ def shaping_label(results: dict, nodes: str = "2 nodes x 2") -> str:
     """How a row measured by this bench was obtained (the reproduce tables' source column)."""
     sh = results["shaping"]
     intra = f", intra-node {sh['intra'] / 1e6:.0f} MB/s" if sh.get("intra") else ""
-    shares = sh.get("cpu_shares_2x2")
-    if shares:
-        speed = (f"fixed-speed ranks ({shares[0]:g} core each)" if len(set(shares)) == 1 else
-                 "fixed-speed ranks (" + ", ".join(f"{s:g}" for s in shares) + " cores)")
-    else:
-        speed = "ranks sharing the cores"
+    speed = cpu_caps.source_label(sh.get("cpu_shares_2x2"))
     return f"measured, emulated cluster: {nodes}, {speed}, inter-node {sh['inter'] / 1e6:.0f} MB/s{intra}"
 
 
@@ -98,7 +93,6 @@ def time_to(evals: List[dict], target: float) -> Optional[float]:
 
 def run_config(topology: str, config: str, steps: int, inter: float, intra: float, out: str, port: int,
                cpu_share: str = "off") -> dict:
-    from ..cluster import cpu_caps
     from ..stats import load_trace
     nodes, procs = TOPOLOGIES[topology]
     groups = [[0, 1], [2, 3]] if topology == "2x2" else [[0, 1], [2], [3]]
@@ -203,7 +197,6 @@ def main(argv: Optional[List[str]] = None) -> dict:
     if why:
         raise SystemExit(f"megamoe bench gates: {why}")
     inter, intra = netns.parse_bandwidth(args.inter_node_bandwidth), netns.parse_bandwidth(args.intra_node_bandwidth)
-    from ..cluster import cpu_caps
     shares = cpu_caps.bench_shares(args.cpu_share, 4, "megamoe bench gates")       # checked before anything runs
     if args.train_rounds < 1:
         raise SystemExit("megamoe bench gates: --train-rounds must be >= 1")

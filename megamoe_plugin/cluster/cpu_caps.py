@@ -107,6 +107,15 @@ def describe(shares: Optional[Sequence[float]]) -> str:
     return "fixed-speed ranks: capped at " + ",".join(f"{s:g}" for s in shares) + " cores"
 
 
+def source_label(shares: Optional[Sequence[float]]) -> str:
+    """The ranks' speed as the reproduce tables' source column names it."""
+    if not shares:
+        return "ranks sharing the cores"
+    if len(set(shares)) == 1:
+        return f"fixed-speed ranks ({shares[0]:g} core each)"
+    return "fixed-speed ranks (" + ", ".join(f"{s:g}" for s in shares) + " cores)"
+
+
 class CpuCaps(CreatedResource):
     """One cgroup per rank with a CFS quota of ``shares[rank]`` cores (a context manager; removes everything it
     made: ``destroy`` removes the run's whole cgroup tree)."""

@@ -57,6 +57,7 @@ from typing import List, Optional, Sequence, Tuple
 
 import torch
 
+from ..cluster import cpu_caps
 from .common import (mark_fast, PAPER, Table, fork_processes, header, measured, predicted, print_tables, save_figure,
                      shipped_trace)
 
@@ -634,10 +635,7 @@ def shaping_label(setup: dict) -> str:
     CPU shares (fixed-speed ranks) or shared cores (results that predate the shares or ran with --cpu-share off),
     the inter-node bandwidth and the tokens per rank."""
     bw = setup.get("inter_node_bandwidth") or 100e6
-    shares = [s for s in (setup.get("cpu_shares") or []) if s]
-    ranks = (f"fixed-speed ranks ({shares[0]:g} core each)" if shares and len(set(shares)) == 1
-             else f"fixed-speed ranks ({', '.join(f'{s:g}' for s in shares)} cores)" if shares
-             else "ranks sharing the cores")
+    ranks = cpu_caps.source_label([s for s in (setup.get("cpu_shares") or []) if s])
     tokens = f", {setup['tokens_per_rank']:,} tokens per rank" if setup.get("tokens_per_rank") else ""
     return f"measured, emulated cluster: 2 nodes x 2, {ranks}, inter-node {bw / 1e6:g} MB/s{tokens}"
 
