@@ -2,11 +2,35 @@
 (plus the change's own time spread over the window) against the median of the window before it; no new change is
 made until the window is complete; one that lost is undone exactly (the previous slot table and shadow set come
 back) and the policy pauses 2, 4, ... runs; one that paid is kept and resets the pauses. A single slow step (an
-evaluation in the window) does not decide."""
+evaluation in the window) does not decide. Every rank takes the same verdict, however long its own part of the
+change took."""
+import json
 from types import SimpleNamespace
 
 from megamoe_plugin.placement.guard import WAIT, PayoffGuard
 from megamoe_plugin.placement.state import PlacementState
+
+
+def _ranks_judge(rank, world, out):
+    """Same steps on both ranks; the run that made the change took rank 1 much longer (a slow rank's moves)."""
+    guard = PayoffGuard(margin=0.03, min_reference=1)
+    rt, before = _changed_runtime()
+    _steps(guard, 1.0, 1.0, 1.0)
+    guard.record(1.0, cost_s=0.0 if rank == 0 else 3.0, interval=3, runtimes=[rt], states=[before], shadows=[()])
+    _steps(guard, 0.9, 0.9, 0.9)
+    verdict = guard.check(3)
+    with open(f"{out}.{rank}", "w") as f:
+        json.dump({"undone": guard.undone, "kept": guard.kept, "undo": isinstance(verdict, list)}, f)
+
+
+def test_every_rank_takes_the_same_verdict(tmp_path):
+    # alone, rank 0 would keep it (0.9 + 0 <= 1.03) and rank 1 undo it (0.9 + 3 s / 3 > 1.03): the ranks would
+    # then plan different placements; the slowest rank's cost decides on both
+    from conftest import run_distributed
+    out = str(tmp_path / "verdict")
+    run_distributed(_ranks_judge, 2, out)
+    got = [json.loads(open(f"{out}.{r}").read()) for r in range(2)]
+    assert got[0] == got[1] == {"undone": 1, "kept": 0, "undo": True}, got
 
 
 def _changed_runtime():

@@ -11,8 +11,8 @@ after a change is complete the policy makes no new change (``waiting``), so each
 
 Slower by more than ``margin``: the change is undone (the previous slot table is restored with ``eplb.moves_to``,
 the previous shadow set put back) and the policy pauses for ``backoff ** strikes`` runs (doubling at each
-consecutive undo, at most ``max_pause``); not slower: kept, and the strikes reset. The medians are the maximum over
-all ranks (one all-reduce), so every rank takes the same decision.
+consecutive undo, at most ``max_pause``); not slower: kept, and the strikes reset. The medians and the change's own time are
+the maximum over all ranks (all-reduces), so every rank takes the same decision.
 
 Judged one by one, a chain of changes each within the margin can add up to a loss against the placement the policy
 started from (measured: FlexMoE at 512 tokens per rank, 0.89x of static with 1 of 3 changes undone), and a change
@@ -187,9 +187,12 @@ class PayoffGuard:
     def record(self, before_s: Optional[float], cost_s: float, interval: int, runtimes: Sequence[object],
                states: Sequence[PlacementState], shadows: Sequence[Tuple[int, ...]]) -> None:
         """A run changed the placement: remember what it was, to judge the change once its window is measured.
-        ``before_s``: the job's median step before the change (``job_max(baseline(interval))``)."""
+        ``before_s``: the job's median step before the change (``job_max(baseline(interval))``); ``cost_s``: this
+        rank's time for the run that made it. Collective (every rank records the same change): the verdict adds the
+        slowest rank's cost, so every rank judges the change alike."""
         if before_s is None or not self.enabled:
             return
+        cost_s = job_max(cost_s)
         snapshots = [(rt, state.copy(), tuple(shadow)) for rt, state, shadow in zip(runtimes, states, shadows)]
         from_origin = self.at_origin
         if from_origin:                               # the steps before this change ran the original placement
