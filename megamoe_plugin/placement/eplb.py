@@ -17,8 +17,10 @@ Given each expert's load (a moving average of its token counts) and ``P x S`` ph
 
 At run time the planner also builds a move-aware table (``eplb_table(current=...)``: where two packs are equally
 light, an expert stays on the node, and a replica on the rank, that holds it now; on a skewed layer most experts
-are light, and the published packing reshuffles them by ties) and keeps whichever of the two the cost model
-predicts faster, transfers included.
+are light, and the published packing reshuffles them by ties). Of the two, it keeps the one with fewer moves
+unless the cost model predicts the other faster, transfers included, by more than its error (the policy's 5% of
+the step): a move costs more than its transfer (its step waits on it, the guard judges it), and a difference
+inside the model's error is not one the model can see.
 
 ``EPLBPlanner`` reruns this every call (the policy calls it every ``--moe-placement-interval`` steps) from an
 exponential moving average of the counts, and keeps a new table only when the cost model predicts it is faster
@@ -216,15 +218,21 @@ class EPLBPlanner:
     horizon: steps over which a change's transfer time is amortised (the rerun interval).
     min_gain: a new table is kept only when it predicts at least this fraction of the layer's step saved, net of
     its transfers (the policy uses 5%: smaller gains are within the cost model's error).
+    equal_within: tables predicted (transfers amortised) within this fraction of the layer's step of the best one
+    are equal as far as the model can tell; of those, the one with the fewest moves is kept (every move costs
+    what the model does not see: the guard's window, the optimizer state it carries). 0: the best prediction.
     ``last`` after a call: triggered, time_before / time_after (predicted s of a layer step), transfer_time,
     moves."""
 
-    def __init__(self, cost_model, decay: float = 0.5, horizon: float = 10.0, nodes=None, min_gain: float = 0.0):
+    def __init__(self, cost_model, decay: float = 0.5, horizon: float = 10.0, nodes=None, min_gain: float = 0.0,
+                 equal_within: float = 0.0):
         if not 0.0 <= decay < 1.0:
             raise ValueError(f"decay must be in [0, 1), got {decay}")
         if not 0.0 <= min_gain < 1.0:
             raise ValueError(f"min_gain must be in [0, 1), got {min_gain}")
-        self.min_gain = float(min_gain)
+        if not 0.0 <= equal_within < 1.0:
+            raise ValueError(f"equal_within must be in [0, 1), got {equal_within}")
+        self.min_gain, self.equal_within = float(min_gain), float(equal_within)
         self.cm = cost_model
         self.decay = float(decay)
         self.horizon = float(horizon)
@@ -241,7 +249,7 @@ class EPLBPlanner:
         load = self.average.sum(0).tolist()
         current = [state.slots_of(r) for r in range(state.num_ranks)]
         before = self.cm.layer_time(self.average, state.placement()).total
-        best = None                                       # (predicted step + amortised transfer, moves, after, transfer)
+        tables = []                                       # (predicted step + amortised transfer, moves, after, transfer)
         for groups in (nodes, [list(range(state.num_ranks))]):   # hierarchical; else balanced over all ranks
             for here in (None, current):                  # the published packing, and the move-aware one
                 try:
@@ -251,11 +259,14 @@ class EPLBPlanner:
                     continue
                 after = self.cm.layer_time(self.average, state.copy().apply(moves).placement()).total
                 transfer = sum(self.cm.move_time(m.nbytes, m.src, m.dst) for m in moves if m.communicates)
-                net = after + transfer / self.horizon
-                if best is None or net < best[0]:
-                    best = (net, moves, after, transfer)
-            if best is not None:
+                tables.append((after + transfer / self.horizon, moves, after, transfer))
+            if tables:
                 break
+        best = None
+        if tables:
+            fastest = min(t[0] for t in tables)
+            best = min((t for t in tables if t[0] <= fastest + self.equal_within * before),
+                       key=lambda t: (len(t[1]), t[0]))
         if best is None:
             self.last = {"triggered": False, "time_before": before, "time_after": before, "transfer_time": 0.0,
                          "moves": 0}

@@ -337,5 +337,5 @@ class EPLBPolicy(_ReplicaPolicy):
         from .eplb import EPLBPlanner
         if key not in self._planners:
             self._planners[key] = EPLBPlanner(cm, horizon=float(self.cfg.placement_every),
-                                              min_gain=MIN_PREDICTED_GAIN)
+                                              min_gain=MIN_PREDICTED_GAIN, equal_within=MIN_PREDICTED_GAIN)
         return self._planners[key].plan(rt.state, counts), None
