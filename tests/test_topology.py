@@ -91,5 +91,8 @@ def test_bandwidth_units():
     from megamoe_plugin.cluster import parse_bandwidth
     assert parse_bandwidth("25MB/s") == 25e6 and parse_bandwidth("200Mbit") == 25e6
     assert parse_bandwidth("1.5GB/s") == 1.5e9 and parse_bandwidth("2MiB/s") == 2 * 1024 ** 2
+    assert parse_bandwidth("3e7") == 3e7                          # a bare number: bytes/s
+    with pytest.raises(ValueError, match="give a unit"):
+        parse_bandwidth("25")                                     # 25 bytes/s: a unit left out, refused
     with pytest.raises(ValueError, match="unknown bandwidth unit"):
         parse_bandwidth("3 furlongs")

@@ -10,7 +10,9 @@ A real-text MoE LM whose routing skews on its own (the embedded corpus, 16 exper
   next batch and the layers below); ``shadow_sync``: the same with the broadcasts in the layer's forward (what the
   prefetch hides is the difference); ``flexmoe``: FlexMoE vExperts; ``eplb``: DeepSeek's EPLB (one spare
   slot per rank, like FlexMoE); all with the default cost model (the start-up calibration of this cluster,
-  ``--moe-placement-profile auto``).
+  ``--moe-placement-profile auto``);
+- ``idle``: FlexMoE's data path (placement runtime, one spare slot per rank, per-step counts) with the policy never
+  run (interval beyond the run): what having placement on costs before it decides anything.
 
 Every rank is a fixed-speed device by default (``--cpu-share auto``: its own CPU cgroup capped at 0.9 x cores /
 ranks), so a loaded rank cannot borrow the cores its idle peers leave; ``--batch-size`` sets the tokens per rank per
@@ -37,7 +39,7 @@ from ..cluster import netns
 from ..cluster.launcher import run_job
 from .gates import time_to
 
-RUNS = ("static", "capacity", "shadow", "shadow_sync", "flexmoe", "eplb")
+RUNS = ("static", "capacity", "shadow", "shadow_sync", "flexmoe", "eplb", "idle")
 SKEWED = ["--moe-gate", "switch", "--moe-top-k", "1", "--moe-aux-loss-coeff", "0"]
 BALANCED = ["--moe-gate", "gshard", "--moe-top-k", "2", "--moe-second-expert-policy", "all",
             "--moe-aux-loss-coeff", "0.01"]
@@ -52,7 +54,8 @@ def run_flags(run: str, capacity_factor: float) -> List[str]:
             "shadow": ["--moe-placement", "shadow"],
             "shadow_sync": ["--moe-placement", "shadow", "--no-moe-placement-prefetch"],
             "flexmoe": ["--moe-placement", "flexmoe"],
-            "eplb": ["--moe-placement", "eplb"]}[run]
+            "eplb": ["--moe-placement", "eplb"],
+            "idle": ["--moe-placement", "flexmoe", "--moe-placement-interval", "1000000000"]}[run]
 
 
 def _flags(extra: List[str], routing: List[str], steps: int, out: str, batch_size: int = 8, seed: int = 0) -> List[str]:
@@ -170,7 +173,8 @@ def _predicted_vs_measured(rows: List[dict]) -> None:
 
 def main(argv: Optional[List[str]] = None) -> dict:
     p = argparse.ArgumentParser(prog="megamoe bench planners", description=__doc__.split("\n\n")[0])
-    p.add_argument("--runs", default=",".join(RUNS))
+    p.add_argument("--runs", default=",".join(r for r in RUNS if r != "idle"),
+                   help=f"comma list of {', '.join(RUNS)} (default: all but idle)")
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--capacity-factor", type=float, default=1.25)
     p.add_argument("--inter-node-bandwidth", default="100MB/s", help="one value or a comma list (a sweep)")

@@ -42,8 +42,20 @@ class ClusterError(RuntimeError):
     """The emulated cluster cannot be created (the message names the command and what it said)."""
 
 
+MIN_BANDWIDTH = 1 << 16          # bytes/s: slower than this, a link cannot carry a training job's probes and exchanges
+
+
 def parse_bandwidth(text: str) -> float:
-    """'25MB/s', '200Mbit', '1.5GB/s', '800mbps', '3e7' (bytes/s) -> bytes per second."""
+    """'25MB/s', '200Mbit', '1.5GB/s', '800mbps', '3e7' (bytes/s) -> bytes per second; a bare number is bytes/s,
+    and anything under 64 KB/s is refused (a unit left out: '25' is 25 bytes/s)."""
+    rate = _parse_rate(text)
+    if rate < MIN_BANDWIDTH:
+        raise ValueError(f"bandwidth {text!r} is {rate:g} bytes/s, below the {MIN_BANDWIDTH // 1024} KB/s a link "
+                         f"needs; a bare number is bytes/s: give a unit (e.g. {text}MB/s)")
+    return rate
+
+
+def _parse_rate(text: str) -> float:
     t = str(text).strip().lower().replace(" ", "")
     m = re.fullmatch(r"([0-9.]+(?:e[+-]?[0-9]+)?)([a-z/]*)", t)
     if not m:
