@@ -696,8 +696,8 @@ def _train(parser, args, cfg: MoEConfig, ps: ParallelState, hook: AfterStepHook,
     tokens_per_step = args.batch_size * args.seq_len * ps.world_size
     acc = torch.zeros(3, dtype=torch.float64)                  # loss, lm, aux sums over the interval
     acc_steps, gnorm = 0, 0.0
+    acc_seconds = 0.0                                          # training time of the interval's steps
     model.train()
-    t_last = time.perf_counter()
 
     end = args.steps
     if args.exit_interval:
@@ -738,6 +738,7 @@ def _train(parser, args, cfg: MoEConfig, ps: ParallelState, hook: AfterStepHook,
             dynamic.after_step(done)
         result.step = done
         result.train_seconds += time.perf_counter() - t_step
+        acc_seconds += time.perf_counter() - t_step
         if not problem:
             acc += torch.stack([loss.detach(), lm_loss.detach(), aux_loss.detach()]).double()
             acc_steps += 1
@@ -746,24 +747,23 @@ def _train(parser, args, cfg: MoEConfig, ps: ParallelState, hook: AfterStepHook,
             if ps.distributed:
                 dist.all_reduce(acc, group=world_group)
             mean = (acc / (max(acc_steps, 1) * ps.world_size)).tolist()
-            tps = acc_steps * tokens_per_step / max(time.perf_counter() - t_last, 1e-9)
+            # the interval's own steps, timed as they ran: an evaluation or a checkpoint between two of them is
+            # not training time, and neither counts
+            tps = acc_steps * tokens_per_step / max(acc_seconds, 1e-9)
             record = {"step": done, "loss": mean[0], "lm_loss": mean[1], "aux_loss": mean[2], "lr": lr,
                       "grad_norm": gnorm, "tokens_per_s": tps, "moe": stats.summary(group=world_group)}
             log(_progress_line(record, args.steps, hook, dynamic, ps))
             result.history.append(record)
             acc.zero_()
-            acc_steps = 0
-            t_last = time.perf_counter()
+            acc_steps, acc_seconds = 0, 0.0
 
         if args.eval_interval and done % args.eval_interval == 0 and done != end:
             ev = evaluate(model, corpus, "valid", args.batch_size, args.seq_len, ps, args.eval_batches)
             log(_format_eval(done, ev))
             result.evals.append({"step": done, **ev})
             result.eval_train_seconds[done] = result.train_seconds
-            t_last = time.perf_counter()
         if args.save_interval and done % args.save_interval == 0 and done != end:
             save_checkpoint(args.save, model, optimizer, cfg, done, args, ps, dynamic)
-            t_last = time.perf_counter()
 
     ev = evaluate(model, corpus, "valid", args.batch_size, args.seq_len, ps, args.eval_batches)
     log(_format_eval(result.step, ev))

@@ -231,3 +231,22 @@ def test_parallel_gradients_equal_single_process(tmp_path, world, ep):
                 want, param = want[lo:lo + per], param[lo:lo + per]   # this rank's experts
             assert torch.equal(got["params"][name], param), name       # the same init for every EP size
             assert (g - want).abs().max() < 1e-12, (name, ep)
+
+
+def test_logged_throughput_counts_the_training_steps_only(capsys, monkeypatch):
+    """An interval whose steps straddle an evaluation: the logged tok/s is the interval's tokens over its steps'
+    own training time, so the log lines' step times add up to the run's training seconds (an evaluation made
+    slow here, 0.3 s, would otherwise either inflate the interval's time or, by restarting its clock, shrink it)."""
+    import time as _time
+    real = train.evaluate
+
+    def slow_eval(*a, **k):
+        _time.sleep(0.3)
+        return real(*a, **k)
+    monkeypatch.setattr(train, "evaluate", slow_eval)
+    argv = [a for a in TINY]
+    argv[argv.index("--eval-interval") + 1] = "2"
+    res = train.main(argv + ["--steps", "9", "--log-interval", "3", "--eval-batches", "1"])
+    tokens = 8 * 64
+    logged = sum(3 * tokens / h["tokens_per_s"] for h in res.history)
+    assert abs(logged / res.train_seconds - 1) < 0.05, (logged, res.train_seconds)

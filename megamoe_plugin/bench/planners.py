@@ -11,6 +11,8 @@ A real-text MoE LM whose routing skews on its own (the embedded corpus, 16 exper
   prefetch hides is the difference); ``flexmoe``: FlexMoE vExperts; ``eplb``: DeepSeek's EPLB (one spare
   slot per rank, like FlexMoE); all with the default cost model (the start-up calibration of this cluster,
   ``--moe-placement-profile auto``);
+- ``shadow_unguarded``: shadowing with the pay-off guard off (``--moe-placement-guard -1``): what the guard's
+  verdicts cost or save;
 - ``idle``: FlexMoE's data path (placement runtime, one spare slot per rank, per-step counts) with the policy never
   run (interval beyond the run): what having placement on costs before it decides anything.
 
@@ -39,7 +41,8 @@ from ..cluster import netns
 from ..cluster.launcher import run_job
 from .gates import time_to
 
-RUNS = ("static", "capacity", "shadow", "shadow_sync", "flexmoe", "eplb", "idle")
+RUNS = ("static", "capacity", "shadow", "shadow_sync", "shadow_unguarded", "flexmoe", "eplb", "idle")
+DIAGNOSTIC_RUNS = ("shadow_unguarded", "idle")          # run only when asked: they explain the others' numbers
 SKEWED = ["--moe-gate", "switch", "--moe-top-k", "1", "--moe-aux-loss-coeff", "0"]
 BALANCED = ["--moe-gate", "gshard", "--moe-top-k", "2", "--moe-second-expert-policy", "all",
             "--moe-aux-loss-coeff", "0.01"]
@@ -53,6 +56,7 @@ def run_flags(run: str, capacity_factor: float) -> List[str]:
     return {"static": [], "capacity": ["--moe-dispatch", "capacity", "--moe-capacity-factor", str(capacity_factor)],
             "shadow": ["--moe-placement", "shadow"],
             "shadow_sync": ["--moe-placement", "shadow", "--no-moe-placement-prefetch"],
+            "shadow_unguarded": ["--moe-placement", "shadow", "--moe-placement-guard", "-1"],
             "flexmoe": ["--moe-placement", "flexmoe"],
             "eplb": ["--moe-placement", "eplb"],
             "idle": ["--moe-placement", "flexmoe", "--moe-placement-interval", "1000000000"]}[run]
@@ -173,8 +177,8 @@ def _predicted_vs_measured(rows: List[dict]) -> None:
 
 def main(argv: Optional[List[str]] = None) -> dict:
     p = argparse.ArgumentParser(prog="megamoe bench planners", description=__doc__.split("\n\n")[0])
-    p.add_argument("--runs", default=",".join(r for r in RUNS if r != "idle"),
-                   help=f"comma list of {', '.join(RUNS)} (default: all but idle)")
+    p.add_argument("--runs", default=",".join(r for r in RUNS if r not in DIAGNOSTIC_RUNS),
+                   help=f"comma list of {', '.join(RUNS)} (default: all but {', '.join(DIAGNOSTIC_RUNS)})")
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--capacity-factor", type=float, default=1.25)
     p.add_argument("--inter-node-bandwidth", default="100MB/s", help="one value or a comma list (a sweep)")
