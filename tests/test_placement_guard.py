@@ -213,3 +213,36 @@ def test_a_held_policy_runs_no_collective_and_prices_the_held_steps_later(monkey
     hook.policy.guard.stopped = True
     step(8)
     assert len(gathered) == 1 and layer.plan.placement.step_counts is None
+
+
+def test_a_step_beside_an_evaluation_is_not_timed():
+    """The hook times each step as the time between its calls; an evaluation between two steps (forwards without
+    gradient through the MoE layers) would count as a slow training step and could undo a change that paid."""
+    import torch
+
+    from megamoe_plugin import MoEConfig, MoELayer
+    from megamoe_plugin.placement import AfterStepHook
+
+    cfg = MoEConfig(num_experts=4, top_k=1, gate="switch", placement="shadow", placement_interval=1000)
+    layer = MoELayer(cfg, 16, 32)
+    assert layer.plan.placement is not None
+
+    class Policy:
+        seen = []
+
+        def __call__(self, ctx):
+            pass
+
+        def observe_step(self, seconds):
+            self.seen.append(seconds)
+    policy = Policy()
+    hook = AfterStepHook(cfg, policy=policy)
+    x = torch.randn(8, 16)
+    for it in range(1, 6):
+        layer(x).sum().backward()
+        if it == 3:                                      # an evaluation after step 2, before step 3's hook call
+            with torch.no_grad():
+                layer(x)
+        hook.run(layer, None, it)
+    # calls 2..5 close a step each; the one closed at call 3 ran beside the evaluation
+    assert len(policy.seen) == 3, policy.seen

@@ -4,7 +4,7 @@ before it, so a policy never loses to the placement it started from by more than
 The planners decide from a cost model; where the model is wrong about a cost (a replica's gradient all-reduce, a
 shadow broadcast, padding, the moves themselves), a change it predicted to pay can lose. The guard checks each change
 against the measurement that follows it. It sees every training step's duration (``observe``, from the after-step
-hook) and compares the median step of the ``window`` steps after a change (at least 3, or the policy's interval),
+hook; a step beside which the trainer evaluated is left out) and compares the median step of the ``window`` steps after a change (at least 3, or the policy's interval),
 plus the change's own time (the hook run that made it) spread over the window, with the median of the ``window``
 steps before it. Medians, so a step that also ran an evaluation or a checkpoint does not decide. Until the window
 after a change is complete the policy makes no new change (``waiting``), so each verdict judges one change.

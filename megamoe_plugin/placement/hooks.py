@@ -82,6 +82,8 @@ class AfterStepHook:
         self.calls = 0
         self._started: Optional[float] = None     # when the previous call started
         self._steps = 0                 # optimizer steps since the policy last ran
+        self._layers = None             # (model, its MoE layers): found once
+        self._eval_forwards = 0         # the layers' forwards without gradient, at the previous call
 
     def add(self, fn: Callable[[StepContext], None]) -> None:
         self.callbacks.append(fn)
@@ -94,17 +96,24 @@ class AfterStepHook:
         """Call after ``optimizer.step()`` on every rank. Returns True when something ran. Every call also gives
         the policy the step's duration when it takes one (``observe_step``: the pay-off guard's measurements): the
         time since the previous call started, so the policy's own time after a step (its collectives, its
-        decisions, the shadow copies it sends) counts in the step it slows down."""
+        decisions, the shadow copies it sends) counts in the step it slows down. A step beside which the MoE
+        layers ran forwards without gradient (the trainer's evaluation, between two steps) is not observed: its
+        time is not the training step's."""
         start = time.perf_counter()
         observe = getattr(self.policy, "observe_step", None)
-        if observe is not None and self._started is not None:
+        if moe_layers is None:
+            if self._layers is None or self._layers[0] is not model:
+                self._layers = (model, find_moe_layers(model))
+            moe_layers = self._layers[1]
+        evals = sum(getattr(getattr(getattr(m, "plan", None), "placement", None), "eval_forwards", 0)
+                    for m in moe_layers)
+        if observe is not None and self._started is not None and evals == self._eval_forwards:
             observe(start - self._started)
+        self._eval_forwards = evals
         self._started = start
         self._steps += 1
         if not self.active or iteration % self.cfg.placement_every:
             return False
-        if moe_layers is None:
-            moe_layers = find_moe_layers(model)
         ctx = StepContext(model, optimizer, iteration, moe_layers, dict(extra), steps=self._steps)
         self._steps = 0
         if self.policy is not None:

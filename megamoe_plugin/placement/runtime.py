@@ -246,6 +246,7 @@ class PlacementRuntime:
         self.step_dropped: Optional[torch.Tensor] = None    # and its dropped assignments (capacity dispatch)
         self.moves_done = 0
         self.bytes_moved = 0
+        self.eval_forwards = 0                               # forwards without gradient (evaluation) so far
         self._prefetch: Optional[ShadowPrefetch] = None
         self._rebuild()
 
@@ -337,7 +338,8 @@ class PlacementRuntime:
 
     def _accumulate(self, counts: torch.Tensor, dropped: torch.Tensor) -> None:
         if not torch.is_grad_enabled():
-            return                                   # inference / validation calls do not steer placement
+            self.eval_forwards += 1                  # inference / validation calls do not steer placement, and a
+            return                                   # step they ran beside is not timed for the pay-off guard
         c, d = counts.detach(), dropped.detach()
         self.step_counts = c.clone() if self.step_counts is None else self.step_counts + c
         self.step_dropped = d.clone() if self.step_dropped is None else self.step_dropped + d
