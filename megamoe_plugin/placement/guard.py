@@ -20,7 +20,8 @@ kept on a lucky window keeps losing afterwards. So the guard also keeps the ``re
 run under the original placement (the last ``REFERENCE_STEPS`` of them; a policy makes no change before
 ``min_reference`` such steps exist). Away from the original placement it watches the median of the steps since
 the placement left it (up to the last ``4 x REFERENCE_STEPS``), at 2, 4, 8, ... windows after leaving (a growing
-sample, so the verdicts get surer and rarer), and each pending change's window too: slower than the reference by
+sample, so the verdicts get surer and rarer), and at each pending change's verdict too, once those steps span two
+windows (one window of a few steps is too noisy to send a policy back to its start): slower than the reference by
 more than ``margin`` returns to the original placement (slot table and shadow set), whatever the last change did,
 and pauses the policy ``max_pause`` runs. After ``max_returns`` returns the policy stops for the rest of the run
 (``stopped``): on this run its cost model predicts gains it does not deliver, and each further try costs steps.
@@ -125,7 +126,7 @@ class PayoffGuard:
             return WAIT
         self.pending = None
         measured = job_max(statistics.median(after[:change.window]))
-        behind = self.reference is not None and measured > self.reference * (1.0 + self.margin)
+        behind = self._behind(interval)
         if not behind and measured + change.cost_s / change.window <= change.before_s * (1.0 + self.margin):
             self.kept += 1
             self.strikes = 0
@@ -136,6 +137,15 @@ class PayoffGuard:
         if behind or change.from_origin:
             return self._return_to_origin(counted=behind)
         return self._undo(change.snapshots)
+
+    def _behind(self, interval: int) -> bool:
+        """Whether the steps since the placement left the original one are slower than the reference. Judged on
+        at least two windows of them: one window of a few steps is too noisy to send a policy back to its start
+        (on the emulated cluster the median of 3 steps moves by 10-15% between windows of the same placement).
+        Collective when judged (every rank has observed as many steps)."""
+        if self.at_origin or self.reference is None or len(self.away) < 2 * self.window(interval):
+            return False
+        return job_max(statistics.median(self.away)) > self.reference * (1.0 + self.margin)
 
     def _watch(self, interval: int):
         """Away from the original placement with no change pending: at 2, 4, 8, ... windows since leaving it,

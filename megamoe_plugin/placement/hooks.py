@@ -84,6 +84,7 @@ class AfterStepHook:
         self._steps = 0                 # optimizer steps since the policy last ran
         self._layers = None             # (model, its MoE layers): found once
         self._eval_forwards = 0         # the layers' forwards without gradient, at the previous call
+        self._observed: Optional[float] = None    # the last step duration given to the policy
 
     def add(self, fn: Callable[[StepContext], None]) -> None:
         self.callbacks.append(fn)
@@ -97,8 +98,9 @@ class AfterStepHook:
         the policy the step's duration when it takes one (``observe_step``: the pay-off guard's measurements): the
         time since the previous call started, so the policy's own time after a step (its collectives, its
         decisions, the shadow copies it sends) counts in the step it slows down. A step beside which the MoE
-        layers ran forwards without gradient (the trainer's evaluation, between two steps) is not observed: its
-        time is not the training step's."""
+        layers ran forwards without gradient (the trainer's evaluation, between two steps) is observed as the
+        step before it: its time is not the training step's, and every rank must observe as many steps (the
+        guard's verdicts are collective; a rank without MoE layers sees no evaluation)."""
         start = time.perf_counter()
         observe = getattr(self.policy, "observe_step", None)
         if moe_layers is None:
@@ -107,8 +109,12 @@ class AfterStepHook:
             moe_layers = self._layers[1]
         evals = sum(getattr(getattr(getattr(m, "plan", None), "placement", None), "eval_forwards", 0)
                     for m in moe_layers)
-        if observe is not None and self._started is not None and evals == self._eval_forwards:
-            observe(start - self._started)
+        if observe is not None and self._started is not None:
+            seconds = start - self._started
+            if evals != self._eval_forwards and self._observed is not None:
+                seconds = self._observed
+            observe(seconds)
+            self._observed = seconds
         self._eval_forwards = evals
         self._started = start
         self._steps += 1
