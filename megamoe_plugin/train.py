@@ -737,8 +737,9 @@ def _train(parser, args, cfg: MoEConfig, ps: ParallelState, hook: AfterStepHook,
                 dynamic.cache.clear_batch()          # evaluation forwards never key into training samples
             dynamic.after_step(done)
         result.step = done
-        result.train_seconds += time.perf_counter() - t_step
-        acc_seconds += time.perf_counter() - t_step
+        step_seconds = time.perf_counter() - t_step
+        result.train_seconds += step_seconds
+        acc_seconds += step_seconds
         if not problem:
             acc += torch.stack([loss.detach(), lm_loss.detach(), aux_loss.detach()]).double()
             acc_steps += 1

@@ -4,15 +4,15 @@ before it, so a policy never loses to the placement it started from by more than
 The planners decide from a cost model; where the model is wrong about a cost (a replica's gradient all-reduce, a
 shadow broadcast, padding, the moves themselves), a change it predicted to pay can lose. The guard checks each change
 against the measurement that follows it. It sees every training step's duration (``observe``, from the after-step
-hook; a step beside which the trainer evaluated is left out) and compares the median step of the ``window`` steps after a change (at least 3, or the policy's interval),
-plus the change's own time (the hook run that made it) spread over the window, with the median of the ``window``
-steps before it. Medians, so a step that also ran an evaluation or a checkpoint does not decide. Until the window
+hook; a step beside which the trainer evaluated counts as the step before it) and compares the median step of the
+``window`` steps after a change (at least 3, or the policy's interval), plus the change's own time (the hook run
+that made it) spread over the window, with the median of the ``window`` steps before it. Medians, so a step that also ran an evaluation or a checkpoint does not decide. Until the window
 after a change is complete the policy makes no new change (``waiting``), so each verdict judges one change.
 
 Slower by more than ``margin``: the change is undone (the previous slot table is restored with ``eplb.moves_to``,
 the previous shadow set put back) and the policy pauses for ``backoff ** strikes`` runs (doubling at each
-consecutive undo, at most ``max_pause``); not slower: kept, and the strikes reset. The medians and the change's own time are
-the maximum over all ranks (all-reduces), so every rank takes the same decision.
+consecutive undo, at most ``max_pause``); not slower: kept, and the strikes reset. The medians and the change's
+own time are the maximum over all ranks (all-reduces), so every rank takes the same decision.
 
 Judged one by one, a chain of changes each within the margin can add up to a loss against the placement the policy
 started from (measured: FlexMoE at 512 tokens per rank, 0.89x of static with 1 of 3 changes undone), and a change
@@ -145,6 +145,11 @@ class PayoffGuard:
         Collective when judged (every rank has observed as many steps)."""
         if self.at_origin or self.reference is None or len(self.away) < 2 * self.window(interval):
             return False
+        return self._slower_than_reference()
+
+    def _slower_than_reference(self) -> bool:
+        """The job's median step since leaving the original placement is above the reference by the margin.
+        Collective."""
         return job_max(statistics.median(self.away)) > self.reference * (1.0 + self.margin)
 
     def _watch(self, interval: int):
@@ -155,8 +160,7 @@ class PayoffGuard:
         if self.away_steps < max(self._next_watch, 2 * self.window(interval)):
             return None
         self._next_watch = 2 * self.away_steps
-        measured = job_max(statistics.median(self.away))
-        if measured <= self.reference * (1.0 + self.margin):
+        if not self._slower_than_reference():
             return None
         self.undone += 1
         self.pause = self.max_pause

@@ -107,15 +107,16 @@ class AfterStepHook:
             if self._layers is None or self._layers[0] is not model:
                 self._layers = (model, find_moe_layers(model))
             moe_layers = self._layers[1]
-        evals = sum(getattr(getattr(getattr(m, "plan", None), "placement", None), "eval_forwards", 0)
-                    for m in moe_layers)
-        if observe is not None and self._started is not None:
-            seconds = start - self._started
-            if evals != self._eval_forwards and self._observed is not None:
-                seconds = self._observed
-            observe(seconds)
-            self._observed = seconds
-        self._eval_forwards = evals
+        if observe is not None:
+            evals = sum(getattr(getattr(getattr(m, "plan", None), "placement", None), "eval_forwards", 0)
+                        for m in moe_layers)
+            if self._started is not None:
+                seconds = start - self._started
+                if evals != self._eval_forwards and self._observed is not None:
+                    seconds = self._observed
+                observe(seconds)
+                self._observed = seconds
+            self._eval_forwards = evals
         self._started = start
         self._steps += 1
         if not self.active or iteration % self.cfg.placement_every:
