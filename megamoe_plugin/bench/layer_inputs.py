@@ -11,6 +11,8 @@ CONFIGS = {
     "2": dict(H=256, F=1024, E=32, k=2, T=8192),
     "3": dict(H=512, F=1024, E=64, k=1, T=8192),
     "tiny": dict(H=64, F=128, E=8, k=2, T=512),
+    "gpu": dict(H=2048, F=8192, E=8, k=2, T=16384),     # a GPU-sized layer: ~6.6 TFLOP per forward+backward
+
 }
 
 

@@ -59,8 +59,8 @@ _ACTIVATIONS = {
 def ensure_megatron_parallel_state() -> None:
     """Make sure torch.distributed and megatron's parallel_state are initialised.
 
-    * No default process group: create a single-process gloo group (world_size=1,
-      rank=0) through a fresh ``file://`` rendezvous file (no port to collide with).
+    * No default process group: create a single-process group (world_size=1, rank=0;
+      nccl with CUDA, gloo without) through a fresh ``file://`` rendezvous file (no port to collide with).
     * An existing default group is reused as it is (whatever its backend/world size).
     * parallel_state not initialised: ``initialize_model_parallel(1, 1,
       expert_model_parallel_size=1)``; if it is initialised already it is reused, but it
@@ -74,8 +74,10 @@ def ensure_megatron_parallel_state() -> None:
     if not dist.is_initialized():
         fd, path = tempfile.mkstemp(prefix="megamoe_pg_")
         os.close(fd)  # FileStore wants an empty (or absent) file
+        # nccl on a GPU: megatron-core's MoE code may reduce CUDA tensors over the (size-1) groups
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
         dist.init_process_group(
-            backend="gloo", init_method=f"file://{path}", world_size=1, rank=0
+            backend=backend, init_method=f"file://{path}", world_size=1, rank=0
         )
 
     from megatron.core import parallel_state as ps

@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# The GPU checks in one bounded run, for a machine with one CUDA device (run from the repository root):
+#   1. tests/gpu (bf16 grouped-GEMM layer vs fp32, the gate's side stream, expert buffering's copy stream,
+#      CUDA-graph experts, the Megatron example trainer in bf16, the layer benchmark's smoke run);
+#   2. `megamoe bench layer --device cuda --dtype bf16` on the CPU benchmark's shapes and a GPU-sized one;
+#   3. Megatron-LM's pretrain_gpt.py (through the launcher, no patch) on the GPU in bf16 with the distributed
+#      optimizer: megatron-core's own MoE layer, then the plugin's (plain top-k gate, dropless), same model.
+#
+#   bash tests/gpu/run_gpu_checks.sh OUTDIR [MEGATRON_LM_DIR]
+#
+# Without network access, put wheels of megatron-core (and pydantic for Megatron-LM's training code) in ./.whl:
+# they are installed under /tmp/megamoe-site first. Each step has its own time limit; a failed step does not stop
+# the next one; the exit status is the number of failed steps.
+set -uo pipefail
+OUTDIR=${1:?usage: run_gpu_checks.sh OUTDIR [MEGATRON_LM_DIR]}
+MLM=${2:-}
+mkdir -p "$OUTDIR"
+export PYTHONUNBUFFERED=1
+PY=${PYTHON:-python3}
+if compgen -G ".whl/*.whl" >/dev/null; then
+  $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/megamoe-site .whl/*.whl
+  export PYTHONPATH=/tmp/megamoe-site:$PWD${PYTHONPATH:+:$PYTHONPATH}
+else
+  export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+fi
+failed=0
+step() {  # step NAME SECONDS CMD...: run, log to OUTDIR/NAME.log, count a failure
+  local name=$1 limit=$2; shift 2
+  echo "=== $name (limit ${limit}s)"
+  local t0=$SECONDS
+  timeout "$limit" "$@" >"$OUTDIR/$name.log" 2>&1
+  local rc=$?
+  tail -n 25 "$OUTDIR/$name.log"
+  echo "=== $name: exit $rc after $((SECONDS - t0))s"
+  [ $rc -eq 0 ] || failed=$((failed + 1))
+}
+
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+$PY -c "import sys, torch; print('python', sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.version.cuda,
+      torch.cuda.get_device_name())"
+$PY -c "import megatron.core as m; print('megatron-core', m.__version__)" || echo "megatron-core: not importable"
+
+step pytest_gpu 180 $PY -m pytest -q -p no:cacheprovider -rs tests/gpu
+step bench_layer 150 $PY -m megamoe_plugin.cli bench layer --device cuda --dtype bf16 --configs 1,2,3,gpu \
+  --routing balanced,skewed --repeat 20 --output "$OUTDIR/bench_layer_cuda_bf16.md"
+
+if [ -n "$MLM" ] && [ -f "$MLM/pretrain_gpt.py" ]; then
+  common=(--transformer-impl local --no-gradient-accumulation-fusion --no-persist-layer-norm
+          --no-masked-softmax-fusion --no-rope-fusion --mock-data --tokenizer-type NullTokenizer --vocab-size 8192
+          --num-layers 4 --hidden-size 1024 --num-attention-heads 16 --seq-length 1024 --max-position-embeddings 1024
+          --micro-batch-size 8 --global-batch-size 8 --train-iters 40 --lr 1e-4 --log-interval 10
+          --eval-iters 0 --eval-interval 100000 --bf16 --use-distributed-optimizer
+          --num-experts 8 --moe-router-topk 2 --moe-aux-loss-coeff 0.01 --moe-token-dispatcher-type alltoall)
+  launch=(env PYTHONPATH="$MLM:$PYTHONPATH" $PY -m torch.distributed.run --standalone --nproc-per-node 1
+          -m megamoe_plugin.megatron_adapter.launch "$MLM/pretrain_gpt.py")
+  step pretrain_gpt_megatron_moe 100 "${launch[@]}" "${common[@]}"
+  step pretrain_gpt_plugin_moe 100 "${launch[@]}" "${common[@]}" --moe-plugin --moe-plugin-gate naive
+  grep -h "elapsed time per iteration\|lm loss" "$OUTDIR"/pretrain_gpt_*.log | tail -n 12 || true
+fi
+echo "failed steps: $failed"
+exit $failed
