@@ -1,4 +1,5 @@
-"""ExpertParallel: the expert-parallel process group as the core sees it (rank, size, global ranks).
+"""ExpertParallel: the expert-parallel process group as the core sees it (rank, size, global ranks); ``comm_device``:
+where a collective's tensors must live under the group's backend.
 
 Adapters hand the core their trainer's expert-parallel group (Megatron's parallel_state / process-group
 collection, fairseq's data-parallel group); ``None`` means no expert parallelism (all experts on this rank).
@@ -9,7 +10,16 @@ from __future__ import annotations
 
 from typing import List, Optional
 
+import torch
 import torch.distributed as dist
+
+
+def comm_device(group=None) -> torch.device:
+    """Where a tensor for a collective over ``group`` (the default group when None) must live: this rank's GPU
+    under NCCL, which moves CUDA tensors only; the host under gloo and the rest (and without torch.distributed)."""
+    if dist.is_available() and dist.is_initialized() and "nccl" in str(dist.get_backend(group)).lower():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 class ExpertParallel:

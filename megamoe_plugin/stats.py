@@ -30,6 +30,8 @@ from typing import Dict, List, Optional
 import torch
 import torch.distributed as dist
 
+from .parallel import comm_device
+
 TRACE_SCHEMA = "megamoe-trace/1"
 
 
@@ -118,7 +120,7 @@ def check_nonfinite(sinks, step: int, group=None) -> Optional[str]:
     bad = [i for i, f in zip(ids, torch.stack([flags[i].cpu() for i in ids]).tolist()) if f] if ids else []
     per_rank = {dist.get_rank() if dist.is_initialized() else 0: bad}
     if group is not None and dist.is_initialized() and dist.get_world_size(group) > 1:
-        n = torch.tensor([len(bad)], dtype=torch.long)
+        n = torch.tensor([len(bad)], dtype=torch.long, device=comm_device(group))
         dist.all_reduce(n, group=group)
         if int(n) == 0:
             return None

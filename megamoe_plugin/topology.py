@@ -240,12 +240,8 @@ class Topology:
 
 
 def _comm_device(group) -> torch.device:
-    """NCCL moves CUDA tensors only; gloo (and the rest) CPU ones."""
-    import torch.distributed as dist
-
-    if "nccl" in str(dist.get_backend(group)).lower():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+    from .parallel import comm_device
+    return comm_device(group)
 
 
 def _link(initiator: bool, peer: int, small_bytes: int, large_bytes: int, iters: int, device):

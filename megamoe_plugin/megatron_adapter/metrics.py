@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from ..dynamic.runtime import format_metrics as format_dynamic_metrics   # noqa: F401 (re-export)
+from ..parallel import comm_device
 from ..stats import layer_summary
 from .layer import plugin_stats
 
@@ -30,7 +31,9 @@ def collect_layer_metrics(num_layers: int, num_experts: int, ep_size: int, reset
             table[layer, :num_experts] += counts.double().cpu()
             table[layer, num_experts:] += torch.tensor([dropped, float(assignments), float(calls)])
     if dist.is_initialized() and dist.get_world_size() > 1:
+        table = table.to(comm_device())
         dist.all_reduce(table)
+        table = table.cpu()
     if reset:
         sink.reset()
     El = num_experts // max(ep_size, 1)

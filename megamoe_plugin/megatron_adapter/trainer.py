@@ -29,6 +29,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from ..parallel import comm_device
 from .args import add_moe_plugin_args, validate_moe_plugin_args
 from .core_args import add_megatron_core_args, validate_core_args
 
@@ -179,6 +180,8 @@ def forward_step(data_iterator, model):
             DYNAMIC.cache.set_batch(batch["sample_ids"], batch["tokens"].shape[1], layout="sb", epoch=batch["epoch"])
         else:
             DYNAMIC.cache.clear_batch()
+    if torch.cuda.is_available():       # the data pipeline builds host tensors; the model is on this rank's GPU
+        batch.update({k: batch[k].cuda(non_blocking=True) for k in ("tokens", "position_ids", "labels", "loss_mask")})
     output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
     return output, partial(loss_func, batch["loss_mask"])
 
@@ -198,7 +201,7 @@ def average_loss(losses_reduced):
     from megatron.core import parallel_state as ps
 
     last = ps.is_pipeline_last_stage()
-    t = torch.zeros(2, dtype=torch.float64)
+    t = torch.zeros(2, dtype=torch.float64, device=comm_device())
     if last and losses_reduced:
         t[0] = sum(float(x["lm loss"]) for x in losses_reduced) / len(losses_reduced)
         t[1] = 1.0

@@ -35,6 +35,7 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
+from ..parallel import comm_device
 from .state import PlacementError, PlacementState
 
 __all__ = ["PayoffGuard", "WAIT", "job_max"]
@@ -47,7 +48,7 @@ def job_max(value: Optional[float]) -> Optional[float]:
     """The maximum of ``value`` over every rank of the job (None when any rank has none). Collective."""
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return value
-    t = torch.tensor([-1.0 if value is None else float(value)], dtype=torch.float64)
+    t = torch.tensor([-1.0 if value is None else float(value)], dtype=torch.float64, device=comm_device())
     low = t.clone()
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     dist.all_reduce(low, op=dist.ReduceOp.MIN)

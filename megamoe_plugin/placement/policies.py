@@ -51,6 +51,7 @@ import torch
 import torch.distributed as dist
 
 from ..config import ConfigError, MoEConfig, flag
+from ..parallel import comm_device
 from .guard import WAIT, PayoffGuard, job_max
 from .hooks import StepContext, register_placement_policy
 from .optim_state import check_optimizer_supported
@@ -77,7 +78,8 @@ def gather_counts(runtimes) -> list:
     if not runtimes:
         return []
     rt0 = runtimes[0]
-    mine = torch.stack([rt.take_step_counts().to(torch.float64) for rt in runtimes])        # [L, E]
+    dev = comm_device(rt0.ep.group if rt0.ep.size > 1 else rt0.edp_group)
+    mine = torch.stack([rt.take_step_counts().to(dev, torch.float64) for rt in runtimes])   # [L, E]
     parts = [mine]
     if rt0.ep.size > 1:
         parts = [torch.empty_like(mine) for _ in range(rt0.ep.size)]
@@ -99,7 +101,7 @@ def _agree(rt, decision) -> None:
     if rt.ep.size == 1:
         return
     h = zlib.crc32(repr(decision).encode()) & 0x7FFFFFFF
-    t = torch.tensor([h, -h], dtype=torch.long)
+    t = torch.tensor([h, -h], dtype=torch.long, device=comm_device(rt.ep.group))
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=rt.ep.group)
     if int(t[0]) != h or int(t[1]) != -h:
         raise RuntimeError("megamoe-plugin placement: the ranks of an expert-parallel group planned different "
@@ -270,8 +272,8 @@ class _Policy:
             shadowed += len(rt.shadowed)
             moves += len(mv)
             predicted += pred
-        group_bytes = torch.tensor([float(sent)], dtype=torch.float64)
         rt0 = rows[0][0]
+        group_bytes = torch.tensor([float(sent)], dtype=torch.float64, device=comm_device(rt0.ep.group))
         if rt0.ep.size > 1:
             dist.all_reduce(group_bytes, group=rt0.ep.group)
         self.total_moves += moves

@@ -36,7 +36,7 @@ from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from ..parallel import ExpertParallel
+from ..parallel import ExpertParallel, comm_device
 from .optim_state import slot_state_views
 from .state import Move, PlacementError, PlacementState
 
@@ -81,7 +81,7 @@ class GroupCache:
         missing = [k for k in mine if k not in self._groups]
         world = dist.get_world_size() if dist.is_initialized() else 1
         if world > 1:
-            flag_ = torch.tensor([len(missing)], dtype=torch.long)
+            flag_ = torch.tensor([len(missing)], dtype=torch.long, device=comm_device())
             dist.all_reduce(flag_, op=dist.ReduceOp.MAX)          # the usual case: nobody misses a group
             if int(flag_) == 0:
                 return 0
