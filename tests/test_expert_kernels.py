@@ -97,6 +97,31 @@ def test_bank_tail_rows_are_zero_and_add_no_gradient():
     assert torch.allclose(y[:3].detach(), ref, rtol=1e-5, atol=1e-6)
 
 
+def test_garbage_in_the_kernels_tail_rows_reaches_no_result(monkeypatch):
+    """The grouped kernel leaves the rows after the last group undefined (uninitialised memory on a GPU): with
+    NaN written there by every product, the outputs and every gradient are still finite and equal the clean run."""
+    def run():
+        torch.manual_seed(0)
+        bank = ExpertBank(3, 8, 12, "gelu", bias=True, kernel="grouped_mm")
+        x = torch.randn(10, 8, requires_grad=True)
+        y = bank(x, torch.tensor([3, 0, 4]))                # rows 7..9 belong to no expert
+        (y * torch.arange(80.0).view(10, 8)).sum().backward()
+        return [y.detach(), x.grad] + [p.grad for p in bank.parameters()]
+
+    clean = run()
+    real = grouped._gmm
+
+    def poisoned(a, b, offs):
+        out = real(a, b, offs)
+        if out.dim() == 2:                                  # [rows, N]: the rows after offs[-1] are the tail
+            out[int(offs[-1]):] = float("nan")
+        return out
+    monkeypatch.setattr(grouped, "_gmm", poisoned)
+    dirty = run()
+    for a, b in zip(dirty, clean):
+        assert torch.isfinite(a).all() and torch.equal(a, b)
+
+
 @pytest.mark.parametrize("H,F,act", [(12, 20, "gelu"), (16, 24, "swiglu"), (13, 7, "relu")])
 def test_bf16_grouped_mm_within_bf16_tolerance_of_fp32(H, F, act):
     # H=12/13 and F=20/7 are not multiples of 8: torch's CPU bf16 grouped GEMM refuses them unpadded

@@ -114,6 +114,17 @@ def test_smart_schedule_in_megatron_matches_plain(cache):
         assert abs(smart[it] - plain[it]) < 1e-4, (smart, plain)
 
 
+def test_bf16_trains_like_fp32(cache):
+    """--bf16: the model in bf16 behind Megatron's Float16Module with fp32 main parameters in the optimizer (on CPU
+    through the plugin's shims): the first step's loss is fp32's to bf16 precision, and the loss falls."""
+    args = ["--train-iters", "5"]
+    fp32, _ = run(1, args, cache)
+    bf16, out = run(1, [*args, "--bf16"], cache)
+    assert sorted(bf16) == [1, 2, 3, 4, 5], out[-3000:]
+    assert abs(bf16[1] - fp32[1]) < 0.02 * fp32[1], (bf16, fp32)
+    assert bf16[5] < bf16[1] - 0.3, bf16
+
+
 # --- checkpoints: saved at --exit-interval, loud when missing, code-free, one LR schedule for every rank ----------
 def test_exit_interval_saves_and_missing_checkpoint_is_loud(cache, tmp_path):
     layout = ["--train-iters", "4", "--moe-plugin-second-expert-policy", "all"]

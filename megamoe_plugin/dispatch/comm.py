@@ -70,6 +70,8 @@ def weighted_combine(rows: torch.Tensor, index: torch.Tensor, weights: torch.Ten
     picked = gather_rows(rows, index.reshape(-1).clamp(max=rows.shape[0] - 1))
     if k == 1:
         return picked * weights
+    if picked.is_cuda:      # a [T] batch of 1 x k x H products runs on a slow batched-GEMM kernel on GPUs
+        return (picked.view(T, k, rows.shape[1]) * weights.unsqueeze(-1)).sum(1)
     return torch.bmm(weights.unsqueeze(1), picked.view(T, k, rows.shape[1])).squeeze(1)
 
 

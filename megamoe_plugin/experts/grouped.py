@@ -13,8 +13,11 @@ fp32. On CPU torch 2.13 runs it in fp32 and bf16 but refuses bf16 operands whose
 bytes: ``GroupedExpertMM`` pads H and F to multiples of 8 elements inside (zeros: the padded products add
 nothing) and slices the results back. Rows after the last group (assignments the gate dropped, kept at the tail
 so that nobody has to read their number on the host) come out as zeros in the output and the input gradient and
-add nothing to any weight or bias gradient; the kernel leaves such rows undefined, so they are masked here with
-a device comparison, never a host read.
+add nothing to any weight or bias gradient; the kernel leaves such rows undefined, so the [rows, H] tensors that
+leave this function (the output, the input gradient) and the incoming gradient are masked with a device
+comparison, never a host read. The [rows, F] intermediates are not: the weight-gradient products sum over the
+groups' rows only and the bias gradients send the tail to a discarded row, so their tail never reaches a
+result, and masking them cost a pass over the largest tensors of the layer.
 
 ``offsets_from_counts(counts)`` turns per-expert counts (a device tensor) into the int32 cumulative ends the
 kernel takes.
@@ -89,7 +92,7 @@ class GroupedExpertMM(torch.autograd.Function):
         w2p = _pad(w2, (Fp, Hp))
         gid = _group_ids(offs, T) if (b1 is not None or b2 is not None) else None
         tail = _tail(offs, T)
-        h = _gmm(xp, w1p, offs).masked_fill_(tail, 0)
+        h = _gmm(xp, w1p, offs)
         if b1 is not None:
             b1p = torch.cat([_pad(b1[..., :Fh], (Fp,)), _pad(b1[..., Fh:], (Fp,))], -1) if swiglu else _pad(b1, (F1p,))
             h = h + F.pad(b1p, (0, 0, 0, 1)).index_select(0, gid)        # the tail's "expert" E adds zeros
@@ -111,7 +114,7 @@ class GroupedExpertMM(torch.autograd.Function):
         dy = _pad(dy.contiguous(), (Hp,)).masked_fill(tail, 0)
         da = _gmm(dy, w2p.transpose(1, 2), offs)
         dw2 = _gmm(a.t(), dy, offs)
-        dh = _act_backward(da, h, ctx.activation).masked_fill_(tail, 0)
+        dh = _act_backward(da, h, ctx.activation)
         dx = _gmm(dh, w1p.transpose(1, 2), offs).masked_fill_(tail, 0)
         dw1 = _gmm(xp.t(), dh, offs)
         db1 = db2 = None

@@ -645,6 +645,36 @@ def _cuda_type_name(param, name: str):
     return type_
 
 
+def _shim_float16_optimizer() -> None:
+    """The bf16/fp16 optimizer (``--bf16`` without the distributed optimizer) refuses any parameter whose
+    ``type()`` is not a CUDA type name. While it builds its fp32 main copies, each CPU parameter answers its CUDA
+    twin's name, as for the distributed optimizer below."""
+    mod = _import("megatron.core.optimizer.optimizer")
+    cls = getattr(mod, "Float16OptimizerWithFloat16Params", None)
+    init = cls.__dict__.get("__init__") if cls is not None else None
+    if init is None or getattr(init, "_megamoe_wrapped", False):
+        return
+
+    @functools.wraps(init)
+    def _cpu_init(self, optimizer, *args, **kwargs):
+        tagged = []
+        for group in optimizer.param_groups:
+            for param in group["params"]:
+                name = _CUDA_TYPE_NAMES.get(torch.Tensor.type(param))
+                if name is not None and "type" not in param.__dict__:
+                    param.type = _cuda_type_name(param, name)
+                    tagged.append(param)
+        try:
+            init(self, optimizer, *args, **kwargs)
+        finally:
+            for param in tagged:
+                del param.type
+
+    _cpu_init._megamoe_wrapped = True
+    cls.__init__ = _cpu_init
+    _APPLIED.append("h:Float16OptimizerWithFloat16Params parameter types on CPU")
+
+
 def _shim_distributed_optimizer() -> None:
     """The distributed optimizer sorts its parameters by ``model_param.type()`` against the CUDA type names and
     refuses any other. While it builds its groups, each CPU parameter answers its CUDA twin's name (an attribute
@@ -792,6 +822,7 @@ def install_cpu_shims() -> bool:
         _shim_clip_grads()  # (h)
         _shim_cuda_methods()  # (h)
         _shim_distributed_optimizer()  # (h)
+        _shim_float16_optimizer()  # (h)
         if _IMPORT_HOOK is None:
             _IMPORT_HOOK = _MegatronImportHook()
             sys.meta_path.insert(0, _IMPORT_HOOK)

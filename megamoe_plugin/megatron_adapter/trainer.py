@@ -139,6 +139,9 @@ def build_model(args, config, vocab_size):
                      position_embedding_type=args.position_embedding_type)
     if torch.cuda.is_available():
         model.cuda(torch.cuda.current_device())
+    if args.bf16:     # as Megatron-LM: the whole model in bf16, the first stage's inputs cast, the loss in fp32
+        from megatron.core.transformer.module import Float16Module
+        model = Float16Module(config, model)
     ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=args.bf16, overlap_grad_reduce=False,
                                                use_distributed_optimizer=False)
     return DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)

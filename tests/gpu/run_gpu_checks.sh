@@ -8,6 +8,7 @@
 #      optimizer: megatron-core's own MoE layer, then the plugin's (plain top-k gate, dropless), same model.
 #
 #   bash tests/gpu/run_gpu_checks.sh OUTDIR [MEGATRON_LM_DIR]
+#   (GPU_CHECK_SECONDS: the longest step's limit, default 150; BENCH_CONFIGS: default 1,2,3,gpu; SKIP_PROFILE=1)
 #
 # Without network access, put wheels of megatron-core (and pydantic for Megatron-LM's training code) in ./.whl:
 # they are installed under /tmp/megamoe-site first. Each step has its own time limit; a failed step does not stop
@@ -41,22 +42,24 @@ $PY -c "import sys, torch; print('python', sys.version.split()[0], 'torch', torc
       torch.cuda.get_device_name())"
 $PY -c "import megatron.core as m; print('megatron-core', m.__version__)" || echo "megatron-core: not importable"
 
-step pytest_gpu 150 $PY -m pytest -q -p no:cacheprovider -rs tests/gpu
-step bench_layer 120 $PY -m megamoe_plugin.cli bench layer --device cuda --dtype bf16 --configs 1,2,3,gpu \
+T=${GPU_CHECK_SECONDS:-150}            # the limit of the longest step; the others scale with it
+step pytest_gpu "$T" $PY -m pytest -q -p no:cacheprovider -rs tests/gpu
+step bench_layer $((T * 4 / 5)) $PY -m megamoe_plugin.cli bench layer --device cuda --dtype bf16 \
+  --configs "${BENCH_CONFIGS:-1,2,3,gpu}" \
   --routing balanced,skewed --repeat 20 --output "$OUTDIR/bench_layer_cuda_bf16.md"
-step profile_layer 80 $PY tests/gpu/profile_layer.py gpu balanced
+[ -n "${SKIP_PROFILE:-}" ] || step profile_layer $((T / 2)) $PY tests/gpu/profile_layer.py gpu balanced
 
 if [ -n "$MLM" ] && [ -f "$MLM/pretrain_gpt.py" ]; then
   common=(--transformer-impl local --no-gradient-accumulation-fusion --no-persist-layer-norm
           --no-masked-softmax-fusion --no-rope-fusion --mock-data --tokenizer-type NullTokenizer --vocab-size 8192
           --num-layers 4 --hidden-size 1024 --num-attention-heads 16 --seq-length 1024 --max-position-embeddings 1024
           --micro-batch-size 8 --global-batch-size 8 --train-iters 40 --lr 1e-4 --log-interval 10
-          --eval-iters 0 --eval-interval 100000 --bf16 --use-distributed-optimizer --swiglu
+          --eval-iters 0 --eval-interval 100000 --bf16 --use-distributed-optimizer --swiglu --disable-bias-linear
           --num-experts 8 --moe-router-topk 2 --moe-aux-loss-coeff 0.01 --moe-token-dispatcher-type alltoall)
   launch=(env PYTHONPATH="$MLM:$PYTHONPATH" $PY -m torch.distributed.run --standalone --nproc-per-node 1
           -m megamoe_plugin.megatron_adapter.launch "$MLM/pretrain_gpt.py")
-  step pretrain_gpt_megatron_moe 90 "${launch[@]}" "${common[@]}"
-  step pretrain_gpt_plugin_moe 90 "${launch[@]}" "${common[@]}" --moe-plugin --moe-plugin-gate naive
+  step pretrain_gpt_megatron_moe $((T * 3 / 5)) "${launch[@]}" "${common[@]}"
+  step pretrain_gpt_plugin_moe $((T * 3 / 5)) "${launch[@]}" "${common[@]}" --moe-plugin --moe-plugin-gate naive
   grep -h "elapsed time per iteration\|lm loss" "$OUTDIR"/pretrain_gpt_*.log | tail -n 12 || true
 fi
 echo "failed steps: $failed"
