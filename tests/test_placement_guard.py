@@ -273,3 +273,63 @@ def test_a_step_beside_an_evaluation_is_not_timed():
         hook.run(layer, None, it)
     # calls 2..5 close a step each; the one closed at call 3 ran beside the evaluation and counts as the one before
     assert len(policy.seen) == 4 and policy.seen[1] == policy.seen[0] and max(policy.seen) < 0.2, policy.seen
+
+
+def test_the_gain_a_verdict_can_resolve_follows_the_steps_noise():
+    guard = PayoffGuard(margin=0.03, min_reference=6)
+    _steps(guard, *[1.0, 1.2] * 3)                  # median 1.1, every step 0.1 away from it
+    noise = guard.step_noise()
+    assert abs(noise - 1.4826 * 0.1 / 1.1) < 1e-12
+    # the median of two 10-step windows against the reference: 2 x sqrt(2) x 1.25 x noise / sqrt(20)
+    assert abs(guard.resolvable_gain(10, noise) - 2 * 2 ** 0.5 * 1.25 * 0.134782 / 20 ** 0.5) < 1e-5
+    assert guard.resolvable_gain(10, noise) > guard.resolvable_gain(40, noise)      # a longer window sees less
+    quiet = PayoffGuard(margin=0.03, min_reference=6)
+    _steps(quiet, *[1.0] * 6)
+    assert quiet.step_noise() == 0.0 and quiet.resolvable_gain(10, 0.0) == 0.0
+    short = PayoffGuard(margin=0.03, min_reference=6)
+    _steps(short, 1.0, 1.2)
+    assert short.step_noise() is None and short.resolvable_gain(10, None) == 0.0
+    assert PayoffGuard(margin=-1).resolvable_gain(10, 0.5) == 0.0                   # guard off: no threshold
+
+
+def test_a_policy_asks_its_planner_for_a_gain_above_the_steps_noise(monkeypatch):
+    """Quiet steps: the planners keep the 5% floor; steps that vary by 15-20%: a change must save more than the guard
+    can tell from that noise (turned into a share of the MoE layers' predicted time), and the run reports it."""
+    import torch
+
+    from megamoe_plugin import MoEConfig
+    from megamoe_plugin.layer import MoELayer
+    from megamoe_plugin.placement import AfterStepHook, policies
+
+    real = policies.ShadowPolicy.decide
+
+    def run(durations):
+        cfg = MoEConfig(num_experts=4, top_k=1, gate="switch", placement="shadow", placement_profile="flexmoe-a100",
+                        placement_interval=4)
+        torch.manual_seed(0)
+        layer = MoELayer(cfg, 8, 16)
+        opt = torch.optim.Adam(layer.parameters(), lr=1e-3)
+        hook = AfterStepHook(cfg)
+        seen = []
+
+        def spy(self, key, cm, rt, counts):
+            out = real(self, key, cm, rt, counts)
+            seen.append(self._planners[key].min_gain)
+            return out
+        monkeypatch.setattr(policies.ShadowPolicy, "decide", spy)
+        ours = iter(durations * 12)
+        for it in range(1, 13):
+            opt.zero_grad()
+            layer(torch.randn(32, 8)).sum().backward()
+            opt.step()
+            # the guard sees our step durations, not this test's
+            hook.policy.observe_step = lambda seconds: hook.policy.guard.observe(next(ours))
+            hook.run(layer, opt, it)
+        return seen, hook.policy.metrics
+
+    quiet, qm = run([1.0])
+    noisy, nm = run([1.0, 1.15, 1.3, 1.45, 1.6])
+    assert quiet and noisy
+    assert quiet[-1] == policies.MIN_PREDICTED_GAIN and qm["required_gain"] == policies.MIN_PREDICTED_GAIN
+    assert nm["step_noise"] > 0.1 and noisy[-1] > policies.MIN_PREDICTED_GAIN
+    assert nm["required_gain"] == noisy[-1]

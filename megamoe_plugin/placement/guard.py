@@ -25,6 +25,12 @@ windows (one window of a few steps is too noisy to send a policy back to its sta
 more than ``margin`` returns to the original placement (slot table and shadow set), whatever the last change did,
 and pauses the policy ``max_pause`` runs. After ``max_returns`` returns the policy stops for the rest of the run
 (``stopped``): on this run its cost model predicts gains it does not deliver, and each further try costs steps.
+
+A verdict can only see a gain larger than the steps' own spread: ``resolvable_gain`` is the smallest saving (a
+fraction of the step) that two window medians tell apart from noise, from the spread of the steps under the original
+placement (``step_noise``). The policies ask their planners for at least that much, so a change the guard could not
+verify is not made: where steps vary by 10% (the emulated cluster's ranks, sharing a host) two 10-step windows
+resolve about 8% of a step and two 3-step windows (shadowing's) about 14%; on a quiet GPU cluster (1-2%) 1-3%.
 """
 from __future__ import annotations
 
@@ -42,6 +48,7 @@ __all__ = ["PayoffGuard", "WAIT", "job_max"]
 
 WAIT = "wait"
 REFERENCE_STEPS = 64          # steps under the original placement the reference is the median of
+RESOLVE_SIGMAS = 2.0          # a change's predicted saving must exceed this many standard deviations of its verdict
 
 
 def job_max(value: Optional[float]) -> Optional[float]:
@@ -186,6 +193,26 @@ class PayoffGuard:
                 moves = []                                # cannot be reached through a free slot: keep it
             undo.append((rt, moves, shadow))
         return undo
+
+    def step_noise(self) -> Optional[float]:
+        """This rank's relative spread of one step under the original placement (1.4826 x the median absolute
+        deviation over the median: a standard deviation that the odd evaluation or checkpoint step does not move);
+        None before ``min_reference`` such steps."""
+        if len(self.origin_steps) < self.min_reference:
+            return None
+        med = statistics.median(self.origin_steps)
+        mad = statistics.median(abs(t - med) for t in self.origin_steps)
+        return 1.4826 * mad / med if med > 0 else None
+
+    def resolvable_gain(self, interval: int, noise: Optional[float]) -> float:
+        """The smallest fraction of a step that a change must save for the guard to tell it from noise. The first
+        verdict that weighs a change against the original placement sees the steps of two windows since it left;
+        that median and the reference differ by noise alone with a standard deviation of about
+        sqrt(2) x 1.25 x noise / sqrt(2 x window) (1.25: a median's standard error over a mean's); two of those.
+        0 with the guard off or no estimate yet."""
+        if not self.enabled or noise is None:
+            return 0.0
+        return RESOLVE_SIGMAS * 1.25 * (2.0 ** 0.5) * noise / (2 * self.window(interval)) ** 0.5
 
     def paused(self) -> bool:
         """Whether this run must not change the placement: after an undo (counts the run), before the reference

@@ -39,7 +39,10 @@ the busiest rank's rows)), ``replicas`` (vExperts beyond one per expert, shadow 
 steps' mean counts under the placement they ran with, summed over layers), ``predicted_static_step_s`` (the same
 counts under static contiguous experts: the two give the model's predicted saving per step), ``shadow_wait_s``
 (seconds per step the forwards waited for the shadowed experts' prefetched copies: the part of their broadcasts not
-hidden behind other work; ``--moe-placement-prefetch``) and ``measured_step_s`` (wall time per optimizer step since the previous run, the whole training step).
+hidden behind other work; ``--moe-placement-prefetch``), ``measured_step_s`` (wall time per optimizer step since the previous run, the whole training step),
+``step_noise`` (the relative spread of a step under the original placement, the slowest rank's) and
+``required_gain`` (the fraction of the MoE layers' predicted time a change had to save at this run: 5%, or what the
+pay-off guard can tell from that noise, ``PayoffGuard.resolvable_gain``).
 """
 from __future__ import annotations
 
@@ -123,6 +126,7 @@ class _Policy:
                 raise ConfigError(f"{flag('placement_profile')}={cfg.placement_profile!r}: {e}") from None
         self.drift = DriftWatch() if cfg.placement_profile == "auto" else None
         self.calibrations = 0
+        self.metrics_extra: Dict[str, float] = {}
         self._cost_models: Dict[tuple, object] = {}
         self._planners: Dict[tuple, object] = {}
         self.metrics: Dict[str, float] = {}
@@ -146,6 +150,24 @@ class _Policy:
 
     def decide(self, key, cm, rt, counts):
         raise NotImplementedError
+
+    _min_gain = MIN_PREDICTED_GAIN
+
+    def _required_gain(self, layers, all_counts, every: int, measured: Optional[float]) -> float:
+        """The fraction of a layer's predicted time a change must save: MIN_PREDICTED_GAIN, or more where the
+        guard could not tell the saving from the steps' noise (guard.resolvable_gain, a fraction of the whole step,
+        turned into one of the MoE layers' predicted time through the measured step). Collective (one all-reduce):
+        every rank plans with the same threshold."""
+        noise = job_max(self.guard.step_noise()) if self.guard.enabled else None
+        step_gain = self.guard.resolvable_gain(every, noise)
+        moe_s = 0.0
+        for layer, counts in zip(layers, all_counts):
+            rt, bank = layer.plan.placement, layer.experts_bank
+            _, cm = self._cm(bank, rt.num_experts, rt.ep.size)
+            moe_s += cm.layer_time(counts, rt.state.placement()).total
+        need = step_gain * measured / moe_s if (measured and moe_s > 0) else 0.0
+        self.metrics_extra = {"step_noise": noise or 0.0, "required_gain": max(MIN_PREDICTED_GAIN, min(need, 0.95))}
+        return self.metrics_extra["required_gain"]
 
     def observe_step(self, seconds: float) -> None:
         """One training step's duration, from the after-step hook (the pay-off guard's measurements)."""
@@ -206,6 +228,7 @@ class _Policy:
         steps = run_steps + self._held_steps
         self._held_steps = 0
         all_counts = [c / steps for c in gather_counts([m.plan.placement for m in layers])]   # one collective
+        self._min_gain = self._required_gain(layers, all_counts, every, measured)
         static_pred = 0.0
         for i, (layer, counts) in enumerate(zip(layers, all_counts)):
             rt = layer.plan.placement
@@ -244,6 +267,7 @@ class _Policy:
         self._report(rows, sent, measured)
         if rows:
             self.metrics["predicted_static_step_s"] = static_pred
+            self.metrics.update(self.metrics_extra)
             self.metrics["shadow_wait_s"] = waited / steps
         if self.drift is not None and self.drift.observe(measured, self.metrics.get("predicted_step_s", 0.0)):
             self.profile = None               # the model no longer matches this cluster: measure it again
@@ -314,6 +338,7 @@ class FlexMoEPolicy(_ReplicaPolicy):
                                                  max_moves=self.cfg.placement_max_moves,
                                                  horizon=float(self.cfg.placement_every),
                                                  min_gain=MIN_PREDICTED_GAIN)
+        self._planners[key].min_gain = self._min_gain
         return self._planners[key].plan(rt.state, counts), None
 
 
@@ -326,6 +351,7 @@ class ShadowPolicy(_Policy):
         from .shadow import ShadowPlanner
         if key not in self._planners:
             self._planners[key] = ShadowPlanner(cm, min_gain=MIN_PREDICTED_GAIN)
+        self._planners[key].min_gain = self._min_gain
         return [], ShadowPlanner.plan(self._planners[key], rt.state, counts)
 
 
@@ -340,4 +366,5 @@ class EPLBPolicy(_ReplicaPolicy):
         if key not in self._planners:
             self._planners[key] = EPLBPlanner(cm, horizon=float(self.cfg.placement_every),
                                               min_gain=MIN_PREDICTED_GAIN, equal_within=MIN_PREDICTED_GAIN)
+        self._planners[key].min_gain = self._min_gain
         return self._planners[key].plan(rt.state, counts), None
