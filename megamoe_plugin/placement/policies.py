@@ -153,11 +153,12 @@ class _Policy:
 
     _min_gain = MIN_PREDICTED_GAIN
 
-    def _required_gain(self, layers, all_counts, every: int, measured: Optional[float]) -> float:
+    def _required_gain(self, layers, all_counts, every: int, step_s: Optional[float]) -> float:
         """The fraction of a layer's predicted time a change must save: MIN_PREDICTED_GAIN, or more where the
         guard could not tell the saving from the steps' noise (guard.resolvable_gain, a fraction of the whole step,
-        turned into one of the MoE layers' predicted time through the measured step). Collective (one all-reduce):
-        every rank plans with the same threshold."""
+        turned into one of the MoE layers' predicted time through ``step_s``: the job's median step of the last
+        window, which an evaluation or the policy's own run does not move). Collective (one all-reduce): every rank
+        plans with the same threshold."""
         noise = job_max(self.guard.step_noise()) if self.guard.enabled else None
         step_gain = self.guard.resolvable_gain(every, noise)
         moe_s = 0.0
@@ -165,7 +166,7 @@ class _Policy:
             rt, bank = layer.plan.placement, layer.experts_bank
             _, cm = self._cm(bank, rt.num_experts, rt.ep.size)
             moe_s += cm.layer_time(counts, rt.state.placement()).total
-        need = step_gain * measured / moe_s if (measured and moe_s > 0) else 0.0
+        need = step_gain * step_s / moe_s if (step_s and moe_s > 0) else 0.0
         self.metrics_extra = {"step_noise": noise or 0.0, "required_gain": max(MIN_PREDICTED_GAIN, min(need, 0.95))}
         return self.metrics_extra["required_gain"]
 
@@ -228,7 +229,7 @@ class _Policy:
         steps = run_steps + self._held_steps
         self._held_steps = 0
         all_counts = [c / steps for c in gather_counts([m.plan.placement for m in layers])]   # one collective
-        self._min_gain = self._required_gain(layers, all_counts, every, measured)
+        self._min_gain = self._required_gain(layers, all_counts, every, baseline)
         static_pred = 0.0
         for i, (layer, counts) in enumerate(zip(layers, all_counts)):
             rt = layer.plan.placement
