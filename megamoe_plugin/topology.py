@@ -23,6 +23,8 @@ from typing import List, Optional, Sequence
 
 import torch
 
+from .parallel import comm_device
+
 # Defaults per level, innermost first, for GPU clusters: NVLink/PCIe inside a node, 100 Gb/s NIC between nodes.
 DEFAULT_BANDWIDTH_GBPS = (100.0, 12.5, 6.25, 3.125)
 DEFAULT_LATENCY_US = (2.0, 10.0, 20.0, 40.0)
@@ -151,7 +153,7 @@ class Topology:
         me = dist.get_rank(group)
         gl = (lambda r: dist.get_global_rank(group, r)) if group is not None else (lambda r: r)
         lat, bw = list(self.latency_us), list(self.bandwidth_gbps)
-        device = _comm_device(group)
+        device = comm_device(group)
         result = torch.zeros(2 * self.depth, dtype=torch.float64, device=device)
         for lvl in range(1, self.depth + 1):
             peer = next((j for j in range(world) if self.level(0, j) == lvl), None)
@@ -183,7 +185,7 @@ class Topology:
 
         world, me = dist.get_world_size(group), dist.get_rank(group)
         gl = (lambda r: dist.get_global_rank(group, r)) if group is not None else (lambda r: r)
-        device = _comm_device(group)
+        device = comm_device(group)
         bw = torch.zeros(world, world, dtype=torch.float64, device=device)
         lat = torch.zeros(world, world, dtype=torch.float64, device=device)
         for i in range(world):
@@ -237,11 +239,6 @@ class Topology:
         b_in, a_in = median(same)
         b_out, a_out = median(off & ~same)
         return cls(groups, bandwidth_gbps=[b_in, b_out], latency_us=[a_in, a_out])
-
-
-def _comm_device(group) -> torch.device:
-    from .parallel import comm_device
-    return comm_device(group)
 
 
 def _link(initiator: bool, peer: int, small_bytes: int, large_bytes: int, iters: int, device):

@@ -46,6 +46,8 @@ from typing import List, Optional
 import torch
 import torch.distributed as dist
 
+from ..parallel import comm_device
+
 CONFIGS = {
     "comm": dict(H=1024, F=256, E=8, k=2, T=2048),      # little compute per byte moved
     "balanced": dict(H=512, F=512, E=8, k=2, T=2048),
@@ -153,8 +155,7 @@ def run(args, group=None) -> Optional[dict]:
 
     group = group if group is not None else dist.group.WORLD
     P, rank = dist.get_world_size(group), dist.get_rank(group)
-    device = torch.device("cuda", torch.cuda.current_device()) if "nccl" in str(dist.get_backend(group)) \
-        else torch.device("cpu")
+    device = comm_device(group)
     c = CONFIGS[args.config]
     H, F_, E, k, T = c["H"], c["F"], c["E"], c["k"], c["T"]
     if E % P:
