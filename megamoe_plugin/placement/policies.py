@@ -126,7 +126,8 @@ class _Policy:
                 raise ConfigError(f"{flag('placement_profile')}={cfg.placement_profile!r}: {e}") from None
         self.drift = DriftWatch() if cfg.placement_profile == "auto" else None
         self.calibrations = 0
-        self.metrics_extra: Dict[str, float] = {}
+        self.metrics_extra: Dict[str, float] = {}      # step_noise, required_gain of the last run
+        self._min_gain = MIN_PREDICTED_GAIN             # what the planners must predict at this run
         self._cost_models: Dict[tuple, object] = {}
         self._planners: Dict[tuple, object] = {}
         self.metrics: Dict[str, float] = {}
@@ -150,8 +151,6 @@ class _Policy:
 
     def decide(self, key, cm, rt, counts):
         raise NotImplementedError
-
-    _min_gain = MIN_PREDICTED_GAIN
 
     def _required_gain(self, layers, all_counts, every: int, step_s: Optional[float]) -> float:
         """The fraction of a layer's predicted time a change must save: MIN_PREDICTED_GAIN, or more where the
