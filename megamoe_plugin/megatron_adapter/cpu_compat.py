@@ -645,6 +645,23 @@ def _cuda_type_name(param, name: str):
     return type_
 
 
+@contextlib.contextmanager
+def _answering_cuda_type_names(params):
+    """While inside, each CPU parameter's ``type()`` names its CUDA twin (an attribute on the parameter, removed on
+    the way out): for the optimizers that sort or check their parameters by those names."""
+    tagged = []
+    for param in params:
+        name = _CUDA_TYPE_NAMES.get(torch.Tensor.type(param))
+        if name is not None and "type" not in param.__dict__:
+            param.type = _cuda_type_name(param, name)
+            tagged.append(param)
+    try:
+        yield
+    finally:
+        for param in tagged:
+            del param.type
+
+
 def _shim_float16_optimizer() -> None:
     """The bf16/fp16 optimizer (``--bf16`` without the distributed optimizer) refuses any parameter whose
     ``type()`` is not a CUDA type name. While it builds its fp32 main copies, each CPU parameter answers its CUDA
@@ -657,18 +674,8 @@ def _shim_float16_optimizer() -> None:
 
     @functools.wraps(init)
     def _cpu_init(self, optimizer, *args, **kwargs):
-        tagged = []
-        for group in optimizer.param_groups:
-            for param in group["params"]:
-                name = _CUDA_TYPE_NAMES.get(torch.Tensor.type(param))
-                if name is not None and "type" not in param.__dict__:
-                    param.type = _cuda_type_name(param, name)
-                    tagged.append(param)
-        try:
+        with _answering_cuda_type_names([p for group in optimizer.param_groups for p in group["params"]]):
             init(self, optimizer, *args, **kwargs)
-        finally:
-            for param in tagged:
-                del param.type
 
     _cpu_init._megamoe_wrapped = True
     cls.__init__ = _cpu_init
@@ -688,17 +695,8 @@ def _shim_distributed_optimizer() -> None:
 
     @functools.wraps(build)
     def _cpu_build_groups(klass, gbuf_ranges, param_gbuf_map, *args, **kwargs):
-        tagged = []
-        for param in param_gbuf_map:
-            name = _CUDA_TYPE_NAMES.get(torch.Tensor.type(param))
-            if name is not None and "type" not in param.__dict__:
-                param.type = _cuda_type_name(param, name)
-                tagged.append(param)
-        try:
+        with _answering_cuda_type_names(list(param_gbuf_map)):
             return build(klass, gbuf_ranges, param_gbuf_map, *args, **kwargs)
-        finally:
-            for param in tagged:
-                del param.type
 
     _cpu_build_groups._megamoe_wrapped = True
     cls._build_model_and_main_param_groups = classmethod(_cpu_build_groups)
