@@ -333,3 +333,58 @@ def test_a_policy_asks_its_planner_for_a_gain_above_the_steps_noise(monkeypatch)
     assert quiet[-1] == policies.MIN_PREDICTED_GAIN and qm["required_gain"] == policies.MIN_PREDICTED_GAIN
     assert nm["step_noise"] > 0.1 and noisy[-1] > policies.MIN_PREDICTED_GAIN
     assert nm["required_gain"] == noisy[-1]
+
+
+def test_the_verdicts_measure_how_much_of_its_predicted_savings_the_model_delivers():
+    guard = PayoffGuard(margin=0.03, min_reference=1)
+    assert guard.realisation() == 1.0                     # no verdict yet: the model is trusted
+    rt, before = _changed_runtime()
+    _steps(guard, 1.0, 1.0, 1.0)
+    guard.record(1.0, cost_s=0.0, interval=3, runtimes=[rt], states=[before], shadows=[()], predicted_s=0.2)
+    _steps(guard, 1.1, 1.1, 1.1)
+    assert isinstance(guard.check(3), list)               # predicted 0.2 s saved, lost 0.1 s: undone
+    # (-0.1 + a prior of 0.2 delivered) / (0.2 + 0.2)
+    assert abs(guard.realisation() - 0.25) < 1e-12
+    guard.record(1.0, cost_s=0.3, interval=3, runtimes=[rt], states=[before], shadows=[()], predicted_s=0.2)
+    _steps(guard, 0.7, 0.7, 0.7)
+    assert guard.check(3) is None                         # 0.7 + 0.3 s / 3 = 0.8: saved 0.2 s, kept
+    assert abs(guard.realisation() - (-0.1 + 0.2 + 0.2) / (0.4 + 0.2)) < 1e-12
+    guard.record(1.0, cost_s=0.0, interval=3, runtimes=[rt], states=[before], shadows=[()], predicted_s=0.2)
+    _steps(guard, 3.0, 3.0, 3.0)
+    guard.check(3)
+    assert guard.realisation() == 0.05                    # far below: clipped to MIN_REALISATION
+    unpredicted = PayoffGuard(margin=0.03, min_reference=1)
+    _steps(unpredicted, 1.0, 1.0, 1.0)
+    unpredicted.record(1.0, cost_s=0.0, interval=3, runtimes=[rt], states=[before], shadows=[()])
+    _steps(unpredicted, 2.0, 2.0, 2.0)
+    unpredicted.check(3)
+    assert unpredicted.undone == 1 and unpredicted.realisation() == 1.0     # no prediction: nothing to learn
+
+
+def test_a_policy_whose_savings_were_refuted_asks_for_more(monkeypatch):
+    """The planner's threshold is the noise's divided by the model's realisation: a model that delivered a quarter of
+    its predictions must predict four times as much before the next change."""
+    import torch
+
+    from megamoe_plugin import MoEConfig
+    from megamoe_plugin.layer import MoELayer
+    from megamoe_plugin.placement import AfterStepHook, policies
+
+    cfg = MoEConfig(num_experts=4, top_k=1, gate="switch", placement="shadow", placement_profile="flexmoe-a100",
+                    placement_interval=4)
+    torch.manual_seed(0)
+    layer = MoELayer(cfg, 8, 16)
+    opt = torch.optim.Adam(layer.parameters(), lr=1e-3)
+    hook = AfterStepHook(cfg)
+    guard = hook.policy.guard
+    guard.predicted_saved, guard.realised_saved, guard.judged = 0.2, -0.1, 1
+    for it in range(1, 13):
+        opt.zero_grad()
+        layer(torch.randn(32, 8)).sum().backward()
+        opt.step()
+        hook.policy.observe_step = lambda seconds: guard.observe(1.0)        # quiet steps: the 5% floor
+        hook.run(layer, opt, it)
+    m = hook.policy.metrics
+    assert m["realisation"] == 0.25
+    assert abs(m["required_gain"] - policies.MIN_PREDICTED_GAIN / 0.25) < 1e-12
+    assert all(p.min_gain == m["required_gain"] for p in hook.policy._planners.values())

@@ -31,6 +31,14 @@ fraction of the step) that two window medians tell apart from noise, from the sp
 placement (``step_noise``). The policies ask their planners for at least that much, so a change the guard could not
 verify is not made: where steps vary by 10% (the emulated cluster's ranks, sharing a host) two 10-step windows
 resolve about 8% of a step and two 3-step windows (shadowing's) about 14%; on a quiet GPU cluster (1-2%) 1-3%.
+
+The verdicts also say how much of its predicted savings the model delivers on this run: each change carries the
+saving its planner predicted (seconds per step), each verdict measures the one it got (the median step before it
+less the median after it and the change's own time), and ``realisation`` is their ratio summed over the verdicts,
+with a prior of one verdict that delivered exactly its prediction, clipped to [MIN_REALISATION, 1]. The policies
+divide their planners' threshold by it: a model whose savings were refuted must predict more before the next change
+(measured: shadowing at 512 tokens per rank predicted 20-30% of the layers' time per set and the guard undid 10 of
+11 sets), while a model whose savings the steps confirm keeps the threshold set by the noise alone.
 """
 from __future__ import annotations
 
@@ -49,6 +57,7 @@ __all__ = ["PayoffGuard", "WAIT", "job_max"]
 WAIT = "wait"
 REFERENCE_STEPS = 64          # steps under the original placement the reference is the median of
 RESOLVE_SIGMAS = 2.0          # a change's predicted saving must exceed this many standard deviations of its verdict
+MIN_REALISATION = 0.05        # the lowest share of its predicted savings a model is trusted to deliver
 
 
 def job_max(value: Optional[float]) -> Optional[float]:
@@ -70,6 +79,7 @@ class _Change:
     window: int
     snapshots: List[Tuple[object, PlacementState, Tuple[int, ...]]] = field(default_factory=list)
     from_origin: bool = False                         # made from the original placement: undoing it returns there
+    predicted_s: Optional[float] = None               # the saving per step its planner predicted
 
 
 class PayoffGuard:
@@ -92,6 +102,9 @@ class PayoffGuard:
         self.away: List[float] = []                   # the last 4 x REFERENCE_STEPS steps since it left
         self.away_steps = 0                           # every step since the placement left it
         self._next_watch = 0                          # away_steps at which the next watch verdict falls
+        self.predicted_saved = 0.0                    # sum of the judged changes' predicted savings per step (s)
+        self.realised_saved = 0.0                     # sum of the savings their verdicts measured (s, < 0: lost)
+        self.judged = 0                               # verdicts with a prediction
 
     @property
     def enabled(self) -> bool:
@@ -134,6 +147,10 @@ class PayoffGuard:
             return WAIT
         self.pending = None
         measured = job_max(statistics.median(after[:change.window]))
+        if change.predicted_s is not None and change.predicted_s > 0:
+            self.predicted_saved += change.predicted_s
+            self.realised_saved += change.before_s - (measured + change.cost_s / change.window)
+            self.judged += 1
         behind = self._behind(interval)
         if not behind and measured + change.cost_s / change.window <= change.before_s * (1.0 + self.margin):
             self.kept += 1
@@ -214,6 +231,15 @@ class PayoffGuard:
             return 0.0
         return RESOLVE_SIGMAS * 1.25 * (2.0 ** 0.5) * noise / (2 * self.window(interval)) ** 0.5
 
+    def realisation(self) -> float:
+        """The share of its predicted savings the model has delivered on this run (module docstring): 1 before any
+        verdict; the same on every rank (the verdicts' inputs are job-wide)."""
+        if not self.enabled or self.judged == 0:
+            return 1.0
+        prior = self.predicted_saved / self.judged
+        ratio = (self.realised_saved + prior) / (self.predicted_saved + prior)
+        return min(1.0, max(MIN_REALISATION, ratio))
+
     def paused(self) -> bool:
         """Whether this run must not change the placement: after an undo (counts the run), before the reference
         has ``min_reference`` steps, or for good once ``stopped``."""
@@ -227,14 +253,17 @@ class PayoffGuard:
         return False
 
     def record(self, before_s: Optional[float], cost_s: float, interval: int, runtimes: Sequence[object],
-               states: Sequence[PlacementState], shadows: Sequence[Tuple[int, ...]]) -> None:
+               states: Sequence[PlacementState], shadows: Sequence[Tuple[int, ...]],
+               predicted_s: Optional[float] = None) -> None:
         """A run changed the placement: remember what it was, to judge the change once its window is measured.
         ``before_s``: the job's median step before the change (``job_max(baseline(interval))``); ``cost_s``: this
-        rank's time for the run that made it. Collective (every rank records the same change): the verdict adds the
+        rank's time for the run that made it; ``predicted_s``: the saving per step its planner predicted (for
+        ``realisation``). Collective (every rank records the same change): the verdict adds the
         slowest rank's cost, so every rank judges the change alike."""
         if before_s is None or not self.enabled:
             return
         cost_s = job_max(cost_s)
+        predicted_s = job_max(predicted_s) if predicted_s is not None else None
         snapshots = [(rt, state.copy(), tuple(shadow)) for rt, state, shadow in zip(runtimes, states, shadows)]
         from_origin = self.at_origin
         if from_origin:                               # the steps before this change ran the original placement
@@ -242,4 +271,5 @@ class PayoffGuard:
                 self.origin = snapshots
             self.reference = job_max(statistics.median(self.origin_steps)) if self.origin_steps else before_s
             self.at_origin, self.away, self.away_steps, self._next_watch = False, [], 0, 0
-        self.pending = _Change(before_s, cost_s, len(self.steps), self.window(interval), snapshots, from_origin)
+        self.pending = _Change(before_s, cost_s, len(self.steps), self.window(interval), snapshots, from_origin,
+                               predicted_s)

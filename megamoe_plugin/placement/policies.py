@@ -41,8 +41,10 @@ counts under static contiguous experts: the two give the model's predicted savin
 (seconds per step the forwards waited for the shadowed experts' prefetched copies: the part of their broadcasts not
 hidden behind other work; ``--moe-placement-prefetch``), ``measured_step_s`` (wall time per optimizer step since the previous run, the whole training step),
 ``step_noise`` (the relative spread of a step under the original placement, the slowest rank's) and
-``required_gain`` (the fraction of the MoE layers' predicted time a change had to save at this run: 5%, or what the
-pay-off guard can tell from that noise, ``PayoffGuard.resolvable_gain``).
+``realisation`` (the share of its predicted savings the model delivered in the guard's verdicts so far,
+``PayoffGuard.realisation``) and ``required_gain`` (the fraction of the MoE layers' predicted time a change had to
+save at this run: 5%, or what the pay-off guard can tell from that noise, ``PayoffGuard.resolvable_gain``, divided
+by the realisation).
 """
 from __future__ import annotations
 
@@ -156,8 +158,9 @@ class _Policy:
         """The fraction of a layer's predicted time a change must save: MIN_PREDICTED_GAIN, or more where the
         guard could not tell the saving from the steps' noise (guard.resolvable_gain, a fraction of the whole step,
         turned into one of the MoE layers' predicted time through ``step_s``: the job's median step of the last
-        window, which an evaluation or the policy's own run does not move). Collective (one all-reduce): every rank
-        plans with the same threshold."""
+        window, which an evaluation or the policy's own run does not move), divided by the share of its predicted
+        savings the model has delivered on this run (``guard.realisation``). Collective (one all-reduce): every
+        rank plans with the same threshold."""
         noise = job_max(self.guard.step_noise()) if self.guard.enabled else None
         step_gain = self.guard.resolvable_gain(every, noise)
         moe_s = 0.0
@@ -166,8 +169,22 @@ class _Policy:
             _, cm = self._cm(bank, rt.num_experts, rt.ep.size)
             moe_s += cm.layer_time(counts, rt.state.placement()).total
         need = step_gain * step_s / moe_s if (step_s and moe_s > 0) else 0.0
-        self.metrics_extra = {"step_noise": noise or 0.0, "required_gain": max(MIN_PREDICTED_GAIN, min(need, 0.95))}
+        realisation = self.guard.realisation()
+        self.metrics_extra = {"step_noise": noise or 0.0, "realisation": realisation,
+                              "required_gain": min(max(MIN_PREDICTED_GAIN, need) / realisation, 0.95)}
         return self.metrics_extra["required_gain"]
+
+    def _predicted_saving(self, layers, rows) -> float:
+        """The cost model's saving per step of the change this run made: the layers' predicted time with the last
+        steps' counts under the placement they ran with, less the same under the new one (slot table and shadow
+        set)."""
+        saving = 0.0
+        for layer, (rt, counts, _, _, before_s, _, _) in zip(layers, rows):
+            _, cm = self._cm(layer.experts_bank, rt.num_experts, rt.ep.size)
+            after_s = cm.shadow_layer_time(counts, rt.shadowed, rt.state.placement()).total if rt.shadowed \
+                else cm.layer_time(counts, rt.state.placement()).total
+            saving += before_s - after_s
+        return saving
 
     def observe_step(self, seconds: float) -> None:
         """One training step's duration, from the after-step hook (the pay-off guard's measurements)."""
@@ -263,7 +280,8 @@ class _Policy:
                       for (_, _, _, _, _, moves, shadow), old in zip(rows, before))
         if changed and undo is None:
             self.guard.record(baseline, time.perf_counter() - now, every, [m.plan.placement for m in layers],
-                              [b[0] for b in before], [b[1] for b in before])
+                              [b[0] for b in before], [b[1] for b in before],
+                              predicted_s=self._predicted_saving(layers, rows))
         self._report(rows, sent, measured)
         if rows:
             self.metrics["predicted_static_step_s"] = static_pred
