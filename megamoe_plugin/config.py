@@ -83,8 +83,9 @@ class MoEConfig:
     init_std: float = _opt(0.02, "Std of the normal init of expert and gate weights.")
     expert_kernel: str = _opt("auto", "How the experts compute: grouped_mm (torch's grouped GEMM, every expert in "
                                       "one kernel per product, group offsets on the device: no host sync), loop "
-                                      "(one GEMM per expert; on CPU with lanes and oneDNN), auto = grouped_mm on "
-                                      "CUDA, on CPU whichever measured faster for the layer's shape.",
+                                      "(one GEMM per expert; on CPU with lanes and oneDNN), auto = whichever "
+                                      "measured faster for the layer's shape (timed once per process; on CUDA "
+                                      "the loop only when clearly faster).",
                               EXPERT_KERNELS)
     cpu_expert_lanes: int = _opt(0, "CPU only: run this many experts side by side, one thread each; 0 = automatic "
                                     "(lanes = intra-op threads when groups are small), 1 = one after another.")

@@ -2,6 +2,7 @@
 ranks, forward and backward), handles bf16 alignment and a dropped tail, and the one-rank layer reads nothing
 back to the host; --moe-expert-kernel and the CPU lane budget."""
 import os
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -241,6 +242,33 @@ def test_auto_kernel_needs_the_margin_to_leave_the_loop(monkeypatch):
                                 "gelu", False) == "loop"
     assert choice.choose_kernel("loop", x, w1, w2, "gelu", False) == "loop"
     assert choice.choose_kernel("grouped_mm", x, w1, w2, "gelu", False) == "grouped_mm"
+    choice.forget_decisions()
+
+
+def test_auto_kernel_on_cuda_leaves_the_grouped_gemm_only_for_a_clearly_faster_loop(monkeypatch):
+    """On a GPU the decision is the CUDA-event timing's: the loop only at <= LOOP_MARGIN_CUDA of the grouped GEMM's
+    time, once per card and shape, with the first call's row bucket (at most MAX_TIMING_ROWS_CUDA) on the call's
+    device. (The device itself is faked: the tensors' device type is all the decision reads.)"""
+    seen = []
+    monkeypatch.setattr(grouped, "available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "fake card")
+    x = SimpleNamespace(device=torch.device("cuda", 0), shape=(40000, 8), dtype=torch.bfloat16)
+    w1, w2 = torch.randn(8, 8, 16), torch.randn(8, 16, 8)
+    for timing, want in (((1.0, 1.0), "grouped_mm"), ((0.96, 1.0), "grouped_mm"), ((0.94, 1.0), "loop")):
+        choice.forget_decisions()
+        monkeypatch.setattr(choice, "_time_both", lambda *a, t=timing: seen.append(a) or [t])
+        assert choice.choose_kernel("auto", x, w1, w2, "gelu", False) == want
+        assert choice.choose_kernel("auto", x, w1, w2, "gelu", False) == want        # cached: timed once
+    assert len(seen) == 3 and seen[0][7] == choice.MAX_TIMING_ROWS_CUDA and seen[0][10] == x.device
+    assert choice.choose_kernel("grouped_mm", x, w1, w2, "gelu", False) == "grouped_mm"
+
+    def refuses(*a):
+        raise RuntimeError("grouped_mm: unsupported dtype")
+    choice.forget_decisions()
+    monkeypatch.setattr(choice, "_time_both", refuses)
+    warned = []
+    monkeypatch.setattr(choice, "cuda_fallback", lambda err, x: warned.append(str(err)))
+    assert choice.choose_kernel("auto", x, w1, w2, "gelu", False) == "loop" and warned
     choice.forget_decisions()
 
 

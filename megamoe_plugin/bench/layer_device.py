@@ -2,7 +2,8 @@
 
 Same inputs as the CPU benchmark (``bench.layer.make_inputs``), cast to the dtype and moved to the device.
 Implementations, each forward + backward of the same layer function:
-- ``ours dropless`` (``--moe-expert-kernel auto``: grouped GEMM on CUDA) and ``ours dropless, loop kernel``;
+- ``ours dropless`` (``--moe-expert-kernel auto``: on CUDA whichever of the two timed faster) and ``ours
+  dropless, loop kernel``;
 - ``megatron-core SequentialMLP`` (the peer layer with our weights loaded, outputs checked against ours);
 - ``megatron-core GroupedMLP`` and ``megatron-core TE grouped`` when their packages import (random init:
   timing only);

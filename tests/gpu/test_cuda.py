@@ -37,9 +37,9 @@ def _layers(cfg, H=256, F=512, seed=0):
 @pytest.mark.parametrize("dispatch", ["dropless", "capacity"])
 @pytest.mark.parametrize("activation", ["gelu", "swiglu"])
 def test_bf16_layer_forward_backward_against_fp32(dispatch, activation):
-    cfg = MoEConfig(num_experts=8, top_k=2, gate="naive", dispatch=dispatch, activation=activation)
+    cfg = MoEConfig(num_experts=8, top_k=2, gate="naive", dispatch=dispatch, activation=activation,
+                    expert_kernel="grouped_mm")
     ref, low = _layers(cfg)
-    assert low.experts.kernel_for(torch.zeros(4, 256, device=CUDA, dtype=torch.bfloat16)) == "grouped_mm"
     x = torch.randn(1024, 256, device=CUDA).to(torch.bfloat16)          # bf16-representable inputs for both
     dy = torch.randn_like(x)
     xr, xl = x.float().requires_grad_(), x.clone().requires_grad_()
@@ -50,6 +50,29 @@ def test_bf16_layer_forward_backward_against_fp32(dispatch, activation):
     assert _rel(yl, yr) < 3e-2 and _rel(xl.grad, xr.grad) < 3e-2
     for (n, a), (_, b) in zip(low.experts.named_parameters(), ref.experts.named_parameters()):
         assert _rel(a.grad, b.grad) < 5e-2, n
+
+
+def test_auto_kernel_times_both_kernels_on_the_card():
+    """``--moe-expert-kernel auto`` on CUDA: both kernels timed with CUDA events (positive, finite), the choice
+    cached per shape, and the layer under ``auto`` computes exactly what the chosen kernel computes."""
+    import math
+
+    from megamoe_plugin.experts import choice
+    (loop_s, grouped_s), = choice._time_both(8, 256, 512, 512, torch.bfloat16, "gelu", False, 4096, 0, "auto", CUDA)
+    assert 0 < loop_s < 1 and 0 < grouped_s < 1 and math.isfinite(loop_s + grouped_s)
+    choice.forget_decisions()
+    cfg = MoEConfig(num_experts=8, top_k=2, gate="naive")
+    torch.manual_seed(0)
+    auto = MoELayer(cfg, 256, 512).to(CUDA, torch.bfloat16)
+    x = torch.randn(2048, 256, device=CUDA).to(torch.bfloat16)
+    y = auto(x)
+    picked = list(choice.decisions().values())
+    assert len(picked) == 1 and picked[0] in ("grouped_mm", "loop")
+    fixed = MoELayer(cfg.replace(expert_kernel=picked[0]), 256, 512).to(CUDA, torch.bfloat16)
+    fixed.load_state_dict(auto.state_dict())
+    assert torch.equal(fixed(x), y)
+    print(f"auto on {torch.cuda.get_device_name()}: H256 F512 E8 -> {picked[0]} "
+          f"(loop {loop_s * 1e3:.2f} ms, grouped {grouped_s * 1e3:.2f} ms)")
 
 
 def test_gate_side_stream_with_cached_assignments():
