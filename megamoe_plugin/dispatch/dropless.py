@@ -6,6 +6,8 @@
 3. The ExpertBank computes contiguous groups of exactly the received sizes: no capacity, no padding, nothing
    dropped, no [tokens x experts x capacity] mask.
 4. Combine reverses the exchange and sums each token's k outputs weighted by the gate, by index.
+Every row movement is a gather, backward included (``comm.expand_rows``, ``comm.permute_rows``): the rows are a
+permutation of the assignments, so no gradient has to be scatter-added.
 Host synchronisation: with one rank none (the counts stay a device tensor; every assignment keeps a row, the
 dropped ones sort last and the experts return zeros for them). With expert parallelism exactly one ``tolist`` of
 the send and receive counts: the all-to-all-v needs its split sizes on the host (as Megatron's dispatcher does).
@@ -21,12 +23,14 @@ import torch
 
 from ..gates.base import Routing
 from ..parallel import ExpertParallel
-from .comm import all_to_all, return_to_sources, exchange_counts, gather_rows, regroup_index, weighted_combine
+from .comm import (all_to_all, exchange_counts, expand_rows, inverse_permutation, permute_rows, regroup_index,
+                   return_to_sources, weighted_combine)
 
 
 @dataclass
 class _State:
     position: torch.Tensor                 # [T, k] row of each assignment in the sorted buffer (n = dropped)
+    order: Optional[torch.Tensor] = None   # [T * k] the assignment of each row, when every assignment has one
     regroup: Optional[torch.Tensor] = None  # [n_recv] [source][expert] -> [expert][source]
     in_splits: Optional[List[int]] = None
     out_splits: Optional[List[int]] = None
@@ -50,7 +54,7 @@ class DroplessDispatcher:
         if P == 1:
             position = torch.empty(T * k, dtype=torch.long, device=x.device)
             position[order] = torch.arange(T * k, device=x.device)
-            return gather_rows(x, order // k), routing.counts, _State(position.view(T, k))
+            return expand_rows(x, order, k, position), routing.counts, _State(position.view(T, k), order=order)
         recv = exchange_counts(routing.counts, self.ep.group)
         host = torch.cat([routing.counts, recv]).tolist()              # the one host sync of the layer
         send_counts, recv_counts = host[:E], host[E:]
@@ -58,17 +62,17 @@ class DroplessDispatcher:
         order = order[:n]
         position = torch.full((T * k,), n, dtype=torch.long, device=x.device)
         position[order] = torch.arange(n, device=x.device)
-        rows = gather_rows(x, order // k)
+        rows = expand_rows(x, order, k, position)
         in_splits = [sum(send_counts[r * El:(r + 1) * El]) for r in range(P)]
         out_splits = [sum(recv_counts[s * El:(s + 1) * El]) for s in range(P)]
         received = all_to_all(rows, out_splits, in_splits, self.ep.group)
         regroup = regroup_index(recv.view(P, El), sum(out_splits))
         tokens_per_expert = [sum(recv_counts[s * El + e] for s in range(P)) for e in range(El)]
-        return (gather_rows(received, regroup), tokens_per_expert,
-                _State(position.view(T, k), regroup, in_splits, out_splits))
+        return (permute_rows(received, regroup, inverse_permutation(regroup)), tokens_per_expert,
+                _State(position.view(T, k), order if n == T * k else None, regroup, in_splits, out_splits))
 
     def combine(self, expert_output: torch.Tensor, state: _State, routing: Routing) -> torch.Tensor:
         y = expert_output
         if state.regroup is not None:
             y = return_to_sources(y, state.regroup, state.in_splits, state.out_splits, self.ep.group)
-        return weighted_combine(y, state.position, routing.weights)
+        return weighted_combine(y, state.position, routing.weights, inverse=state.order)
