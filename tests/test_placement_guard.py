@@ -388,3 +388,35 @@ def test_a_policy_whose_savings_were_refuted_asks_for_more(monkeypatch):
     assert m["realisation"] == 0.25
     assert abs(m["required_gain"] - policies.MIN_PREDICTED_GAIN / 0.25) < 1e-12
     assert all(p.min_gain == m["required_gain"] for p in hook.policy._planners.values())
+
+
+def test_a_policy_that_keeps_changing_nothing_plans_less_and_less_often(monkeypatch):
+    """At the original placement, each run that changes nothing skips the next 1, 2, 4, 8, then 15 runs (at most
+    IDLE_GAP_STEPS = 16 steps between two runs at an interval of 1): a skipped run plans nothing and calls no
+    collective. (Guard off, one process: the shadowing planner has nothing to shadow.)"""
+    import torch
+
+    from megamoe_plugin import MoEConfig
+    from megamoe_plugin.layer import MoELayer
+    from megamoe_plugin.placement import AfterStepHook, policies
+
+    planned = []
+    real = policies.ShadowPolicy.decide
+
+    def spy(self, key, cm, rt, counts):
+        planned.append(it)
+        return real(self, key, cm, rt, counts)
+    monkeypatch.setattr(policies.ShadowPolicy, "decide", spy)
+    cfg = MoEConfig(num_experts=4, top_k=1, gate="switch", placement="shadow", placement_profile="flexmoe-a100",
+                    placement_interval=1, placement_guard=-1)
+    torch.manual_seed(0)
+    layer = MoELayer(cfg, 8, 16)
+    opt = torch.optim.Adam(layer.parameters(), lr=1e-3)
+    hook = AfterStepHook(cfg)
+    for it in range(1, 41):
+        opt.zero_grad()
+        layer(torch.randn(32, 8)).sum().backward()
+        opt.step()
+        hook.run(layer, opt, it)
+    assert planned == [1, 3, 6, 11, 20, 36], planned
+    assert not layer.experts.placement.shadowed
