@@ -62,3 +62,15 @@ def test_permute_rows_and_combine_with_inverse():
     assert torch.equal(p, rows.detach()[order])
     perm_grad = torch.autograd.grad(p, rows, dy.repeat(k, 1))[0]
     assert torch.equal(perm_grad, dy.repeat(k, 1)[position])
+
+
+def test_combine_with_fewer_rows_than_assignments_ignores_the_inverse():
+    """Experts that return rows for the kept assignments only (a static expert graph of fixed group sizes): the
+    dropped tail's assignments (weight 0) point past the rows, and the combine equals the one without inverse."""
+    T, k, H = 10, 2, 3
+    order, position = _routing(T, k, seed=5)
+    rows = torch.randn(14, H, dtype=torch.float64)               # 6 assignments dropped: no rows for them
+    w = torch.rand(T, k, dtype=torch.float64)
+    w.view(-1)[order[14:]] = 0.0
+    y = weighted_combine(rows, position.view(T, k), w, inverse=order)
+    assert torch.allclose(y, weighted_combine(rows, position.view(T, k), w))

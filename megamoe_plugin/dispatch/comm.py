@@ -120,11 +120,13 @@ def weighted_combine(rows: torch.Tensor, index: torch.Tensor, weights: torch.Ten
     """y[t] = sum_j weights[t, j] * rows[index[t, j]]. Dropped assignments carry weight 0 and any index >=
     len(rows); they are pointed at row 0 (0 * row adds nothing, and their weight has no gradient path).
     ``inverse``: given where ``index`` is a permutation of the rows (every assignment has its own row), the
-    permutation that undoes it; the backward is then a gather instead of a scatter-add."""
+    permutation that undoes it; the backward is then a gather instead of a scatter-add. Ignored when the rows
+    are fewer than the assignments (experts that return no rows for the dropped tail, as a static expert graph
+    of fixed group sizes does)."""
     T, k = index.shape
     if rows.shape[0] == 0:
         return rows.new_zeros(T, rows.shape[1]) + 0 * (rows.sum() + weights.sum())   # keep the graph
-    if inverse is not None:
+    if inverse is not None and rows.shape[0] == index.numel():
         picked = permute_rows(rows, index.reshape(-1), inverse)
     else:
         picked = gather_rows(rows, index.reshape(-1).clamp(max=rows.shape[0] - 1))
