@@ -22,7 +22,10 @@ Each run, for every MoE layer of this rank (in model order):
 4. the pay-off guard (guard.py, ``--moe-placement-guard``): once the steps after a change are measured (a window
    of at least 3 steps; no new change meanwhile), a change whose median step is slower than the median before it is
    undone, and the policy pauses; a placement whose steps run slower than the original placement's goes back
-   there, and after two such returns the policy stops for the run.
+   there, and after two such returns the policy stops for the run;
+5. an idle policy backs off (``_back_off``): at the original placement, each run that changed nothing skips the
+   next 1, 2, 4, ... runs (at most ``IDLE_GAP_STEPS`` steps apart), so a policy with nothing to do costs the steps
+   almost nothing.
 
 The cost model is the hardware profile ``--moe-placement-profile`` at the expert-parallel size, with the layer's real
 shape: ``auto`` (the default) calibrates the running job's own process groups at the first run (a second or two,
@@ -69,7 +72,7 @@ __all__ = ["EPLBPolicy", "FlexMoEPolicy", "ShadowPolicy", "global_counts"]
 # about 10% (docs/cluster.md), so smaller predicted gains are noise (measured: at 512 tokens per rank FlexMoE and
 # EPLB kept changes predicted to save 1-3% and lost 8-11% per step)
 MIN_PREDICTED_GAIN = 0.05
-IDLE_GAP_STEPS = 16           # the longest gap, in steps, between two runs of a policy that keeps changing nothing
+IDLE_GAP_STEPS = 8            # the longest gap, in steps, between two runs of a policy that keeps changing nothing
 
 
 def global_counts(rt) -> torch.Tensor:
