@@ -62,6 +62,32 @@ def _steps(guard, *seconds):
         guard.observe(s)
 
 
+def _shadow_policy_run(**overrides):
+    """A one-process MoE layer with the shadowing policy (fixed profile), its optimizer and after-step hook."""
+    import torch
+
+    from megamoe_plugin import MoEConfig
+    from megamoe_plugin.layer import MoELayer
+    from megamoe_plugin.placement import AfterStepHook
+    cfg = MoEConfig(num_experts=4, top_k=1, gate="switch", placement="shadow", placement_profile="flexmoe-a100",
+                    **{"placement_interval": 4, **overrides})
+    torch.manual_seed(0)
+    layer = MoELayer(cfg, 8, 16)
+    return layer, torch.optim.Adam(layer.parameters(), lr=1e-3), AfterStepHook(cfg)
+
+
+def _train(layer, opt, hook, steps, before_hook=None):
+    """``steps`` training steps, each closed by the hook; ``before_hook(it)`` runs just before it."""
+    import torch
+    for it in range(1, steps + 1):
+        opt.zero_grad()
+        layer(torch.randn(32, 8)).sum().backward()
+        opt.step()
+        if before_hook is not None:
+            before_hook(it)
+        hook.run(layer, opt, it)
+
+
 def test_a_change_that_lost_is_undone_and_the_policy_pauses():
     guard = PayoffGuard(margin=0.03, min_reference=3)
     rt, before = _changed_runtime()
@@ -316,21 +342,12 @@ def test_the_gain_a_verdict_can_resolve_follows_the_steps_noise():
 def test_a_policy_asks_its_planner_for_a_gain_above_the_steps_noise(monkeypatch):
     """Quiet steps: the planners keep the 5% floor; steps that vary by 15-20%: a change must save more than the guard
     can tell from that noise (turned into a share of the MoE layers' predicted time), and the run reports it."""
-    import torch
-
-    from megamoe_plugin import MoEConfig
-    from megamoe_plugin.layer import MoELayer
-    from megamoe_plugin.placement import AfterStepHook, policies
+    from megamoe_plugin.placement import policies
 
     real = policies.ShadowPolicy.decide
 
     def run(durations):
-        cfg = MoEConfig(num_experts=4, top_k=1, gate="switch", placement="shadow", placement_profile="flexmoe-a100",
-                        placement_interval=4)
-        torch.manual_seed(0)
-        layer = MoELayer(cfg, 8, 16)
-        opt = torch.optim.Adam(layer.parameters(), lr=1e-3)
-        hook = AfterStepHook(cfg)
+        layer, opt, hook = _shadow_policy_run()
         seen = []
 
         def spy(self, key, cm, rt, counts):
@@ -339,13 +356,9 @@ def test_a_policy_asks_its_planner_for_a_gain_above_the_steps_noise(monkeypatch)
             return out
         monkeypatch.setattr(policies.ShadowPolicy, "decide", spy)
         ours = iter(durations * 12)
-        for it in range(1, 13):
-            opt.zero_grad()
-            layer(torch.randn(32, 8)).sum().backward()
-            opt.step()
-            # the guard sees our step durations, not this test's
-            hook.policy.observe_step = lambda seconds: hook.policy.guard.observe(next(ours))
-            hook.run(layer, opt, it)
+        # the guard sees our step durations, not this test's
+        hook.policy.observe_step = lambda seconds: hook.policy.guard.observe(next(ours))
+        _train(layer, opt, hook, 12)
         return seen, hook.policy.metrics
 
     quiet, qm = run([1.0])
@@ -382,29 +395,16 @@ def test_the_verdicts_measure_how_much_of_its_predicted_savings_the_model_delive
     assert unpredicted.undone == 1 and unpredicted.realisation() == 1.0     # no prediction: nothing to learn
 
 
-def test_a_policy_whose_savings_were_refuted_asks_for_more(monkeypatch):
+def test_a_policy_whose_savings_were_refuted_asks_for_more():
     """The planner's threshold is the noise's divided by the model's realisation: a model that delivered a quarter of
     its predictions must predict four times as much before the next change."""
-    import torch
+    from megamoe_plugin.placement import policies
 
-    from megamoe_plugin import MoEConfig
-    from megamoe_plugin.layer import MoELayer
-    from megamoe_plugin.placement import AfterStepHook, policies
-
-    cfg = MoEConfig(num_experts=4, top_k=1, gate="switch", placement="shadow", placement_profile="flexmoe-a100",
-                    placement_interval=4)
-    torch.manual_seed(0)
-    layer = MoELayer(cfg, 8, 16)
-    opt = torch.optim.Adam(layer.parameters(), lr=1e-3)
-    hook = AfterStepHook(cfg)
+    layer, opt, hook = _shadow_policy_run()
     guard = hook.policy.guard
     guard.predicted_saved, guard.realised_saved, guard.judged = 0.2, -0.1, 1
-    for it in range(1, 13):
-        opt.zero_grad()
-        layer(torch.randn(32, 8)).sum().backward()
-        opt.step()
-        hook.policy.observe_step = lambda seconds: guard.observe(1.0)        # quiet steps: the 5% floor
-        hook.run(layer, opt, it)
+    hook.policy.observe_step = lambda seconds: guard.observe(1.0)          # quiet steps: the 5% floor
+    _train(layer, opt, hook, 12)
     m = hook.policy.metrics
     assert m["realisation"] == 0.25
     assert abs(m["required_gain"] - policies.MIN_PREDICTED_GAIN / 0.25) < 1e-12
@@ -415,29 +415,16 @@ def test_a_policy_that_keeps_changing_nothing_plans_less_and_less_often(monkeypa
     """At the original placement, each run that changes nothing skips the next 1, 2, 4, then 7 runs (at most
     IDLE_GAP_STEPS = 8 steps between two runs at an interval of 1): a skipped run plans nothing and calls no
     collective. (Guard off, one process: the shadowing planner has nothing to shadow.)"""
-    import torch
+    from megamoe_plugin.placement import policies
 
-    from megamoe_plugin import MoEConfig
-    from megamoe_plugin.layer import MoELayer
-    from megamoe_plugin.placement import AfterStepHook, policies
-
-    planned = []
+    planned, step = [], [0]
     real = policies.ShadowPolicy.decide
 
     def spy(self, key, cm, rt, counts):
-        planned.append(it)
+        planned.append(step[0])
         return real(self, key, cm, rt, counts)
     monkeypatch.setattr(policies.ShadowPolicy, "decide", spy)
-    cfg = MoEConfig(num_experts=4, top_k=1, gate="switch", placement="shadow", placement_profile="flexmoe-a100",
-                    placement_interval=1, placement_guard=-1)
-    torch.manual_seed(0)
-    layer = MoELayer(cfg, 8, 16)
-    opt = torch.optim.Adam(layer.parameters(), lr=1e-3)
-    hook = AfterStepHook(cfg)
-    for it in range(1, 41):
-        opt.zero_grad()
-        layer(torch.randn(32, 8)).sum().backward()
-        opt.step()
-        hook.run(layer, opt, it)
+    layer, opt, hook = _shadow_policy_run(placement_interval=1, placement_guard=-1)
+    _train(layer, opt, hook, 40, before_hook=lambda it: step.__setitem__(0, it))
     assert planned == [1, 3, 6, 11, 19, 27, 35], planned
     assert not layer.experts.placement.shadowed

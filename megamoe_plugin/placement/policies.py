@@ -43,7 +43,8 @@ steps' mean counts under the placement they ran with, summed over layers), ``pre
 counts under static contiguous experts: the two give the model's predicted saving per step), ``shadow_wait_s``
 (seconds per step the forwards waited for the shadowed experts' prefetched copies: the part of their broadcasts not
 hidden behind other work; ``--moe-placement-prefetch``), ``measured_step_s`` (wall time per optimizer step since the previous run, the whole training step),
-``step_noise`` (the relative spread of a step under the original placement, the slowest rank's) and
+``step_noise`` (the relative spread of a step under the original placement from one step to the next, the
+slowest rank's) and
 ``realisation`` (the share of its predicted savings the model delivered in the guard's verdicts so far,
 ``PayoffGuard.realisation``) and ``required_gain`` (the fraction of the MoE layers' predicted time a change had to
 save at this run: 5%, or what the pay-off guard can tell from that noise, ``PayoffGuard.resolvable_gain``, divided
