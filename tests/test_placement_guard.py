@@ -387,6 +387,14 @@ def test_the_verdicts_measure_how_much_of_its_predicted_savings_the_model_delive
     _steps(guard, 3.0, 3.0, 3.0)
     guard.check(3)
     assert guard.realisation() == 0.05                    # far below: clipped to MIN_REALISATION
+    noisy = PayoffGuard(margin=0.03, min_reference=1)
+    noisy.job_noise = 0.1                                 # steps vary by 10% from one to the next
+    _steps(noisy, 1.0, 1.0, 1.0)
+    noisy.record(1.0, cost_s=0.0, interval=3, runtimes=[rt], states=[before], shadows=[()], predicted_s=0.2)
+    _steps(noisy, 1.1, 1.1, 1.1)
+    noisy.check(3)
+    # the verdict's standard error 1.25 x 0.1 x 1.0 s x sqrt(2 / 3) = 0.102 s: it counts -0.1 + 0.102
+    assert abs(noisy.realisation() - (-0.1 + 1.25 * 0.1 * (2 / 3) ** 0.5 + 0.2) / 0.4) < 1e-12
     unpredicted = PayoffGuard(margin=0.03, min_reference=1)
     _steps(unpredicted, 1.0, 1.0, 1.0)
     unpredicted.record(1.0, cost_s=0.0, interval=3, runtimes=[rt], states=[before], shadows=[()])

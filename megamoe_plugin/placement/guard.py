@@ -35,7 +35,11 @@ resolve about 8% of a step and two 3-step windows (shadowing's) about 14%; on a 
 The verdicts also say how much of its predicted savings the model delivers on this run: each change carries the
 saving its planner predicted (seconds per step), each verdict measures the one it got (the median step before it
 less the median after it and the change's own time), and ``realisation`` is their ratio summed over the verdicts,
-with a prior of one verdict that delivered exactly its prediction, clipped to [MIN_REALISATION, 1]. The policies
+with a prior of one verdict that delivered exactly its prediction, clipped to [MIN_REALISATION, 1]. A verdict
+counts against the model only by what it measured below the prediction beyond its own standard error (two window
+medians of steps that vary by the job's ``step_noise``): where one window of steps varies by more than the
+predicted saving, a single unlucky verdict says nothing about the model (measured at 2,048 tokens per rank: steps
+varying 20% from one to the next, one shadow set undone, and the realisation fell to 0.13 for the rest of the run). The policies
 divide their planners' threshold by it: a model whose savings were refuted must predict more before the next change
 (measured: shadowing at 512 tokens per rank predicted 20-30% of the layers' time per set and the guard undid 10 of
 11 sets), while a model whose savings the steps confirm keeps the threshold set by the noise alone.
@@ -111,6 +115,7 @@ class PayoffGuard:
         self.predicted_saved = 0.0                    # sum of the judged changes' predicted savings per step (s)
         self.realised_saved = 0.0                     # sum of the savings their verdicts measured (s, < 0: lost)
         self.judged = 0                               # verdicts with a prediction
+        self.job_noise: Optional[float] = None        # the job's step_noise, as the policy last all-reduced it
 
     @property
     def enabled(self) -> bool:
@@ -154,8 +159,9 @@ class PayoffGuard:
         self.pending = None
         measured = job_max(statistics.median(after[:change.window]))
         if change.predicted_s is not None and change.predicted_s > 0:
+            realised = change.before_s - (measured + change.cost_s / change.window)
             self.predicted_saved += change.predicted_s
-            self.realised_saved += change.before_s - (measured + change.cost_s / change.window)
+            self.realised_saved += min(change.predicted_s, realised + self.verdict_error(change))
             self.judged += 1
         behind = self._behind(interval)
         if not behind and measured + change.cost_s / change.window <= change.before_s * (1.0 + self.margin):
@@ -240,6 +246,11 @@ class PayoffGuard:
         if not self.enabled or noise is None:
             return 0.0
         return RESOLVE_SIGMAS * 1.25 * (2.0 ** 0.5) * noise / (2 * self.window(interval)) ** 0.5
+
+    def verdict_error(self, change: _Change) -> float:
+        """The standard error (s) of one verdict's measured saving: the difference of two window medians of steps
+        that vary by the job's ``step_noise`` (a median's standard error is about 1.25 x the mean's)."""
+        return 1.25 * (self.job_noise or 0.0) * change.before_s * (2.0 / change.window) ** 0.5
 
     def realisation(self) -> float:
         """The share of its predicted savings the model has delivered on this run (module docstring): 1 before any

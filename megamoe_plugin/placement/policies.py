@@ -265,6 +265,7 @@ class _Policy:
         guarded = self.guard.enabled
         measured, baseline, noise = job_max_many([measured, self.guard.baseline(every) if guarded else None,
                                                   self.guard.step_noise() if guarded else None])
+        self.guard.job_noise = noise
         changes, rows, decisions = [], [], []
         before = [(m.plan.placement.state.copy(), tuple(m.plan.placement.shadowed)) for m in layers]
         # the counts of the steps since the last run, as one step's: the cost model prices one step, against
