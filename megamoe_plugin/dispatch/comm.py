@@ -151,6 +151,9 @@ def regroup_index(counts: torch.Tensor, total: int) -> torch.Tensor:
 
 
 def return_to_sources(y: torch.Tensor, regroup: torch.Tensor, in_splits: List[int], out_splits: List[int],
-                      group) -> torch.Tensor:
-    """Undo a dispatch: [expert][source] rows back to [source][expert], then the reverse all-to-all-v."""
-    return all_to_all(permute_rows(y, inverse_permutation(regroup), regroup), in_splits, out_splits, group)
+                      group, unregroup: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Undo a dispatch: [expert][source] rows back to [source][expert], then the reverse all-to-all-v.
+    ``unregroup``: ``inverse_permutation(regroup)`` where the dispatch already computed it."""
+    if unregroup is None:
+        unregroup = inverse_permutation(regroup)
+    return all_to_all(permute_rows(y, unregroup, regroup), in_splits, out_splits, group)

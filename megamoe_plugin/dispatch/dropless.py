@@ -32,6 +32,7 @@ class _State:
     position: torch.Tensor                 # [T, k] row of each assignment in the sorted buffer (n = dropped)
     order: Optional[torch.Tensor] = None   # [T * k] the assignment of each row, when every assignment has one
     regroup: Optional[torch.Tensor] = None  # [n_recv] [source][expert] -> [expert][source]
+    unregroup: Optional[torch.Tensor] = None  # its inverse
     in_splits: Optional[List[int]] = None
     out_splits: Optional[List[int]] = None
 
@@ -68,11 +69,14 @@ class DroplessDispatcher:
         received = all_to_all(rows, out_splits, in_splits, self.ep.group)
         regroup = regroup_index(recv.view(P, El), sum(out_splits))
         tokens_per_expert = [sum(recv_counts[s * El + e] for s in range(P)) for e in range(El)]
-        return (permute_rows(received, regroup, inverse_permutation(regroup)), tokens_per_expert,
-                _State(position.view(T, k), order if n == T * k else None, regroup, in_splits, out_splits))
+        unregroup = inverse_permutation(regroup)
+        return (permute_rows(received, regroup, unregroup), tokens_per_expert,
+                _State(position.view(T, k), order if n == T * k else None, regroup, unregroup, in_splits,
+                       out_splits))
 
     def combine(self, expert_output: torch.Tensor, state: _State, routing: Routing) -> torch.Tensor:
         y = expert_output
         if state.regroup is not None:
-            y = return_to_sources(y, state.regroup, state.in_splits, state.out_splits, self.ep.group)
+            y = return_to_sources(y, state.regroup, state.in_splits, state.out_splits, self.ep.group,
+                                  state.unregroup)
         return weighted_combine(y, state.position, routing.weights, inverse=state.order)
