@@ -9,7 +9,7 @@ first run, every rank at the same point):
    ``$MEGAMOE_PROFILE_CACHE``); rank 0 decides and broadcasts, so every rank uses the same numbers;
 2. otherwise measures, in well under a second on CPU: the expert FFN's forward+backward at the job's own
    hidden/FFN sizes with every rank at once (and rank 0 alone: ranks sharing one machine's cores become a shared
-   compute pool), the point-to-point alpha-beta of every level of the topology (``Topology.measure``), the
+   compute pool; not where every rank is capped to a CPU share, ``fixed_speed_ranks``), the point-to-point alpha-beta of every level of the topology (``Topology.measure``), the
    latency of a small all-to-all, a broadcast + reduce of one expert (what shadowing costs, with the library's
    own algorithm) and the fixed cost of a tiny MoE layer step; fits a ``HardwareProfile`` and caches it.
 
@@ -100,6 +100,24 @@ def auto_profile(hidden: int, ffn: int, dtype: torch.dtype = torch.float32, refr
     return profile
 
 
+def fixed_speed_ranks() -> bool:
+    """Whether every rank of the job is capped to a CPU share (``MEGAMOE_CPU_SHARE``, set by ``megamoe cluster
+    run --cpu-share``) and the shares add up to no more than this machine's cores: each rank is then a device of
+    fixed speed by construction, and no compute pool is shared. Measuring it instead (rank 0 alone against every
+    rank at once) is unreliable there: capped ranks that are idle between the two measurements ran rank 0 alone
+    1.2-1.9x faster from one calibration to the next on the same 2-core machine, and a pool detected that way
+    makes every rebalancing look worthless to the planners. Collective (one all-reduce)."""
+    own = os.environ.get("MEGAMOE_CPU_SHARE", "")
+    try:
+        share = float(own) if own else -1.0
+    except ValueError:
+        share = -1.0
+    t = torch.tensor([max(share, 0.0), 1.0 if share > 0 else 0.0], dtype=torch.float64)
+    if _world() > 1:
+        dist.all_reduce(t)
+    return int(t[1]) == _world() and float(t[0]) <= (os.cpu_count() or 1) * 1.0001
+
+
 def measure_profile(hidden: int, ffn: int, dtype: torch.dtype, device: torch.device) -> HardwareProfile:
     """Collective: the micro-benchmarks of the module docstring, a HardwareProfile of this job."""
     from ..topology import Topology
@@ -113,7 +131,7 @@ def measure_profile(hidden: int, ffn: int, dtype: torch.dtype, device: torch.dev
     tokens, iters = ((512, 2048), 3) if capped else ((128, 512), 2)
     gemm = measure_gemm(hidden, ffn, tokens=tokens, iters=iters, device=device, dtype=dtype, group=group)
     flops, shared = gemm["flops"], 0.0
-    if world > 1 and device.type == "cpu":
+    if world > 1 and device.type == "cpu" and not fixed_speed_ranks():
         solo = torch.tensor([flops], dtype=torch.float64)
         if _rank() == 0:
             solo[0] = measure_gemm(hidden, ffn, tokens=tokens, iters=iters, device=device, dtype=dtype)["flops"]
