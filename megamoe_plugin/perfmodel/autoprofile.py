@@ -31,6 +31,7 @@ import torch.distributed as dist
 from .profiles import HardwareProfile
 
 CACHE_ENV = "MEGAMOE_PROFILE_CACHE"
+METHOD = 2                    # the calibration's method: a profile cached by an older one is measured again
 
 
 def cache_dir() -> str:
@@ -38,10 +39,11 @@ def cache_dir() -> str:
 
 
 def signature(hidden: int, ffn: int, dtype: torch.dtype, world: int, device: str) -> str:
-    """What the measured numbers depend on: the cluster (launcher topology and bandwidths, world, host), the
+    """What the measured numbers depend on: how they were measured (``METHOD``), the cluster (launcher topology
+    and bandwidths, world, host), the
     machine (device, cores, torch) and the experts' shape."""
     shaping = os.environ.get("MEGAMOE_CLUSTER_SHAPING")       # the emulated cluster's settings, not its probe
-    parts = [f"world={world}", f"topology={os.environ.get('MEGAMOE_TOPOLOGY', '')}",
+    parts = [f"method={METHOD}", f"world={world}", f"topology={os.environ.get('MEGAMOE_TOPOLOGY', '')}",
              f"bw={shaping or os.environ.get('MEGAMOE_TOPOLOGY_BANDWIDTH_GBPS', '')}",
              f"local={os.environ.get('LOCAL_WORLD_SIZE', '')}", f"host={platform.node()}", f"device={device}",
              f"cpu_share={os.environ.get('MEGAMOE_CPU_SHARE', '')}",
