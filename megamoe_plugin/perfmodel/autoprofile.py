@@ -40,8 +40,7 @@ def cache_dir() -> str:
 
 def signature(hidden: int, ffn: int, dtype: torch.dtype, world: int, device: str) -> str:
     """What the measured numbers depend on: how they were measured (``METHOD``), the cluster (launcher topology
-    and bandwidths, world, host), the
-    machine (device, cores, torch) and the experts' shape."""
+    and bandwidths, world, host), the machine (device, cores, torch) and the experts' shape."""
     shaping = os.environ.get("MEGAMOE_CLUSTER_SHAPING")       # the emulated cluster's settings, not its probe
     parts = [f"method={METHOD}", f"world={world}", f"topology={os.environ.get('MEGAMOE_TOPOLOGY', '')}",
              f"bw={shaping or os.environ.get('MEGAMOE_TOPOLOGY_BANDWIDTH_GBPS', '')}",
