@@ -25,7 +25,9 @@ costs included: training seconds / steps; and the median of the second half: the
 settled), token efficiency (kept / routed),
 expert efficiency (FlexMoE §5.4: useful expert rows over P x the busiest rank's rows, under the placement each step
 ran with), the balance ratio over time (Eq. 6, first and last quarter), moves and bytes moved, the validation loss
-at the end and the training time to a common target loss (the worst of the runs' best losses). With ``--balanced``
+at the end and the training time to a common target loss (the worst of the runs' best losses). Per cell, the
+balance bound: static's step less the most any placement could save on this routing (every rank at the mean expert
+load, nothing paid for it), priced with the profile the planners calibrated: a ceiling on the planners' speed-up. With ``--balanced``
 the same four on a balanced model (gshard top-2, balance loss 0.01): the planners must stay idle there.
 """
 from __future__ import annotations
@@ -95,6 +97,40 @@ def _predicted_saving(placed: List[dict]) -> Optional[float]:
     return sum(a - b for a, b in half) / len(half)
 
 
+def _profile_of(out: str) -> Optional[str]:
+    """The calibrated profile a run's policy used (the path its rank-0 log names), None without one."""
+    import re
+    try:
+        with open(os.path.join(out, "logs", "rank0.log")) as f:
+            text = f.read()
+    except OSError:
+        return None
+    found = re.findall(r"placement cost model: .*?(?:cached in |calibration of this cluster \()(\S+?\.json)", text)
+    return found[-1] if found and os.path.exists(found[-1]) else None
+
+
+def balance_bound_saving(counts, profile_path: Optional[str]) -> Optional[float]:
+    """The most any placement could save per step on this routing, by the cost model of ``profile_path``: the
+    expert compute of the static blocks ([S, L, P, E] counts, second half of the steps) less that of every rank
+    holding the mean load, with nothing paid for it (no replica synchronisation, no moves, the same all-to-all).
+    A ceiling on what a planner can deliver here, not a prediction of one."""
+    if profile_path is None:
+        return None
+    import torch
+
+    from ..perfmodel.cost import LayerShape
+    from ..perfmodel.profiles import HardwareProfile
+    hidden, ffn = int(MODEL[MODEL.index("--hidden") + 1]), int(MODEL[MODEL.index("--ffn-hidden") + 1])
+    S, L, P, E = counts.shape
+    cm = HardwareProfile.load(profile_path).cost_model(LayerShape(hidden, ffn, E), world_size=P)
+    saved = []
+    for s in range(S // 2, S):
+        loads = counts[s].to(torch.float64).sum(1).reshape(L, P, E // P).sum(-1)          # [L, P] rows per rank
+        saved.append(sum(3.0 * (cm.compute_time(row) - cm.compute_time(torch.full_like(row, float(row.mean()))))
+                         for row in loads))
+    return sum(saved) / len(saved) if saved else None
+
+
 def run_one(run: str, routing: List[str], steps: int, extra: List[str], inter: float, intra: Optional[float],
             out: str, port: int, batch_size: int = 8, cpu_shares=None, seed: int = 0) -> dict:
     """Train ``run`` (``megamoe train`` with ``extra`` flags) on the 2 x 2 emulated cluster; its measured row."""
@@ -139,6 +175,7 @@ def read_run(run: str, out: str, batch_size: int, seed: int = 0) -> dict:
             "bytes_moved_last": placed[-1].get("bytes_moved", 0.0) if placed else 0.0,
             "bytes_moved_total": max([p.get("bytes_moved_total", 0.0) for p in placed] + [0.0]),
             "predicted_saving_s": _predicted_saving(placed),
+            "bound_saving_s": balance_bound_saving(counts, _profile_of(out)),
             "link_bytes_per_step": link_bytes / m["step"], "seed": seed, "routed_lines": routed}
 
 
@@ -173,6 +210,10 @@ def _predicted_vs_measured(rows: List[dict]) -> None:
         saving = r.get("predicted_saving_s")
         r["predicted_speedup"] = (static["step_seconds"] / max(static["step_seconds"] - saving, 1e-9)
                                   if static and saving is not None else None)
+    bound = [r["bound_saving_s"] for r in rows if r.get("bound_saving_s") is not None and r["run"] != "static"]
+    if static and bound:          # the planners' runs: static's seed and data, so its routing up to rounding
+        saving = statistics.median(bound)
+        static["bound_speedup"] = static["step_seconds"] / max(static["step_seconds"] - saving, 1e-9)
 
 
 def main(argv: Optional[List[str]] = None) -> dict:
@@ -329,6 +370,10 @@ def format_results(results: dict) -> str:
                          f"{(f'{late:.2f}x' if late else '-'):>6} {(f'{ps:.2f}x' if ps else '-'):>9} "
                          f"{r['token_efficiency']:>7.3f} {r['expert_efficiency']:>7.3f} {r['moves']:>6.0f} "
                          f"{r.get('bytes_moved_total', 0.0) / 1e6:>8.1f} {r['final_valid_loss']:>10.4f} {ttt:>9}")
+        bound = next((r["bound_speedup"] for r in c["rows"] if r.get("bound_speedup")), None)
+        if bound:
+            lines.append(f"{'':>6} {'':>11} {c['routing']:<15} balance bound: {bound:.2f}x of static's step "
+                         "(every rank at the mean expert load, free; predicted with the runs' calibrated profile)")
     return "\n".join(lines)
 
 

@@ -1,0 +1,45 @@
+"""``megamoe bench planners``' ceiling: the most any placement could save on a run's routing, by a named profile."""
+import os
+
+import pytest
+import torch
+
+from megamoe_plugin.bench import planners
+from megamoe_plugin.perfmodel.profiles import HardwareProfile
+
+
+def _profile(tmp_path, gflops: float) -> str:
+    path = str(tmp_path / "p.json")
+    HardwareProfile(name="t", nodes=1, gpus_per_node=2, gemm_tflops=gflops / 1e3, bytes_per_element=4).save(path)
+    return path
+
+
+def test_balance_bound_is_the_busiest_ranks_excess_compute(tmp_path):
+    """Two ranks of two experts: rank 0's expert gets 300 rows, rank 1's 100 (the bound counts the second half of
+    the steps). Every rank at the mean, 200 rows, saves 100 rows of forward + backward: 3 x 100 x 4 H F FLOPs at
+    the profile's rate, in each of the two layers."""
+    hidden, ffn = 256, 512                     # the benchmark's model (MODEL)
+    counts = torch.zeros(4, 2, 2, 2)            # [S, L, P source, E]
+    counts[:, :, 0, 0] = 150.0
+    counts[:, :, 1, 0] = 150.0                  # expert 0 (rank 0's block): 300 rows
+    counts[:, :, 1, 1] = 100.0                  # expert 1 (rank 1's block): 100 rows
+    counts[:2] = 1.0                            # the first half does not count
+    saved = planners.balance_bound_saving(counts, _profile(tmp_path, 10.0))
+    expected = 2 * 3.0 * 100 * 4 * hidden * ffn / 10e9
+    assert saved == pytest.approx(expected, rel=1e-9)
+    balanced = torch.full((4, 2, 2, 2), 50.0)
+    assert planners.balance_bound_saving(balanced, _profile(tmp_path, 10.0)) == pytest.approx(0.0, abs=1e-12)
+    assert planners.balance_bound_saving(counts, None) is None
+
+
+def test_profile_of_reads_the_path_the_policy_logged(tmp_path):
+    path = _profile(tmp_path, 10.0)
+    os.makedirs(tmp_path / "run" / "logs")
+    with open(tmp_path / "run" / "logs" / "rank0.log", "w") as f:
+        f.write(f"megamoe-plugin: placement cost model: the cached calibration of this cluster ({path})\n")
+    assert planners._profile_of(str(tmp_path / "run")) == path
+    with open(tmp_path / "run" / "logs" / "rank0.log", "w") as f:
+        f.write("megamoe-plugin: placement cost model: calibrated this cluster in 1.4s: 31.0 GFLOP/s per rank, "
+                f"links 0.655 / 0.102 GB/s (intra / inter-node), cached in {path}\n")
+    assert planners._profile_of(str(tmp_path / "run")) == path
+    assert planners._profile_of(str(tmp_path / "nowhere")) is None
