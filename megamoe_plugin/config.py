@@ -130,6 +130,10 @@ class MoEConfig:
                                           "asynchronously right after the optimizer step (on a process group of "
                                           "their own), overlapping the next batch and the layers below the MoE layer, "
                                           "instead of synchronously in its forward.")
+    placement_overlap_sync: bool = _opt(False, "flexmoe / eplb: all-reduce the replicated experts' gradients "
+                                               "asynchronously, behind the backward of the layers below, and "
+                                               "complete them at the end of the backward pass (FlexMoE §4), "
+                                               "instead of synchronously in the layer's backward.")
     placement_profile: str = _opt("auto", "Hardware profile whose cost model the placement policies consult: auto "
                                           "(calibrate the running job's own process groups at the first placement "
                                           "run, cached per cluster, refreshed when step times drift from the "

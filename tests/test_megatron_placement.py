@@ -185,6 +185,20 @@ def test_distributed_optimizer_with_placement_validation(placement, tmp_path):
     assert validate_moe_plugin_args(ok) is not None
 
 
+def test_overlapped_replica_sync_refuses_megatron_overlapped_grad_reduce():
+    """Overlapped replica all-reduces complete at the end of the backward pass; Megatron's --overlap-grad-reduce
+    starts reducing its buckets before that, so the two together are refused, naming both flags."""
+    from megamoe_plugin.megatron_adapter.args import validate_moe_plugin_args
+    args = _parse(["--moe-plugin-placement", "flexmoe", "--moe-plugin-placement-overlap-sync"])
+    assert args.moe_plugin_config.placement_overlap_sync
+    args.overlap_grad_reduce = True
+    with pytest.raises(ConfigError) as err:
+        validate_moe_plugin_args(args)
+    assert "--moe-plugin-placement-overlap-sync" in str(err.value) and "--overlap-grad-reduce" in str(err.value)
+    args.overlap_grad_reduce = False
+    assert validate_moe_plugin_args(args).placement_overlap_sync
+
+
 def test_placement_metrics_to_writers_and_progress_line():
     from megamoe_plugin.megatron_adapter.metrics import format_placement_metrics, write_placement_metrics
 

@@ -147,6 +147,7 @@ def _load_and_eval(rank, world, out_dir, source_world):
     (2, None), (4, None),
     (2, {"schedule": "smart", "smart_groups": 2}),              # FasterMoE's pipelined exchange over the slots
     (2, {"dispatch": "capacity", "capacity_factor": 0.75}),    # the gate drops; the kept go to the replicas
+    (4, {"placement_overlap_sync": True}),      # replicas' gradient all-reduces completed after the backward
 ])
 def test_forced_moves_are_the_same_training(world, extra, tmp_path):
     run_distributed(_equivalence, world, 6 if world == 2 else 4, str(tmp_path), extra)

@@ -8,7 +8,8 @@ A real-text MoE LM whose routing skews on its own (the embedded corpus, 16 exper
 - ``capacity``: static with a capacity factor (DeepSpeed-style drop and pad, ``--capacity-factor``);
 - ``shadow``: FasterMoE dynamic shadowing, its broadcasts prefetched after the optimizer step (hidden behind the
   next batch and the layers below); ``shadow_sync``: the same with the broadcasts in the layer's forward (what the
-  prefetch hides is the difference); ``flexmoe``: FlexMoE vExperts; ``eplb``: DeepSeek's EPLB (one spare
+  prefetch hides is the difference); ``flexmoe``: FlexMoE vExperts; ``flexmoe_overlap``: the same with the
+  replicas' gradient all-reduces behind the backward (``--moe-placement-overlap-sync``); ``eplb``: DeepSeek's EPLB (one spare
   slot per rank, like FlexMoE); all with the default cost model (the start-up calibration of this cluster,
   ``--moe-placement-profile auto``);
 - ``shadow_unguarded``: shadowing with the pay-off guard off (``--moe-placement-guard -1``): what the guard's
@@ -43,7 +44,8 @@ from ..cluster import netns
 from ..cluster.launcher import run_job
 from .gates import time_to
 
-RUNS = ("static", "capacity", "shadow", "shadow_sync", "shadow_unguarded", "flexmoe", "eplb", "idle")
+RUNS = ("static", "capacity", "shadow", "shadow_sync", "shadow_unguarded", "flexmoe", "flexmoe_overlap", "eplb",
+        "idle")
 DIAGNOSTIC_RUNS = ("shadow_unguarded", "idle")          # run only when asked: they explain the others' numbers
 SKEWED = ["--moe-gate", "switch", "--moe-top-k", "1", "--moe-aux-loss-coeff", "0"]
 BALANCED = ["--moe-gate", "gshard", "--moe-top-k", "2", "--moe-second-expert-policy", "all",
@@ -60,6 +62,7 @@ def run_flags(run: str, capacity_factor: float) -> List[str]:
             "shadow_sync": ["--moe-placement", "shadow", "--no-moe-placement-prefetch"],
             "shadow_unguarded": ["--moe-placement", "shadow", "--moe-placement-guard", "-1"],
             "flexmoe": ["--moe-placement", "flexmoe"],
+            "flexmoe_overlap": ["--moe-placement", "flexmoe", "--moe-placement-overlap-sync"],
             "eplb": ["--moe-placement", "eplb"],
             "idle": ["--moe-placement", "flexmoe", "--moe-placement-interval", "1000000000"]}[run]
 

@@ -248,6 +248,10 @@ def validate_moe_plugin_args(args) -> Optional[MoEConfig]:
                               "one owner's gate; drop one of the two")
     if _get(args, "use_distributed_optimizer", default=False) and cfg.placement in MOVING_PLACEMENTS:
         _check_distributed_optimizer_placement(args, cfg)
+    if cfg.placement_overlap_sync and _get(args, "overlap_grad_reduce", default=False):
+        raise ConfigError("megamoe-plugin: --moe-plugin-placement-overlap-sync and --overlap-grad-reduce: the "
+                          "replicated experts' gradients are complete only at the end of the backward pass, after "
+                          "Megatron's overlapped buckets have started reducing them; drop one of the two")
     from ..gates import gate_warnings
     from ..notices import warn_once
     from ..placement import build_placement_policy

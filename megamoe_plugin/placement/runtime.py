@@ -144,22 +144,53 @@ def _write_row(flat: torch.Tensor, tensors, i: int, add: bool = False) -> None:
 
 
 class _ReplicaGradSync(torch.autograd.Function):
-    """Identity on the bank's weights; backward sums each replicated expert's rows over its ranks."""
+    """Identity on the bank's weights; backward sums each replicated expert's rows over its ranks.
+
+    Synchronously (the default), each all-reduce completes inside this layer's backward. With ``overlap``, they are
+    launched asynchronously and the layers below run their backward meanwhile (as data parallelism overlaps its
+    gradient buckets, and as FlexMoE §4 assumes); at the end of the backward pass (an autograd-engine callback)
+    each is waited on and the other replicas' part of the sum is added to the parameter's gradient (``.grad``, or
+    Megatron's ``main_grad`` once its accumulation hook has moved ``.grad`` there)."""
 
     @staticmethod
-    def forward(ctx, plan, *weights):
+    def forward(ctx, plan, overlap, *weights):
         ctx.plan, ctx.meta = plan, [(w.shape, w.dtype, w.device) for w in weights]
+        ctx.params = weights if overlap else None
         return tuple(w.view_as(w) for w in weights)
 
     @staticmethod
     def backward(ctx, *grads):
         grads = [torch.zeros(s, dtype=d, device=dev) if g is None else g.contiguous()
                  for g, (s, d, dev) in zip(grads, ctx.meta)]
-        for slot, group in ctx.plan:                         # ascending logical expert id
-            flat = _row(grads, slot)
-            dist.all_reduce(flat, group=group)
-            _write_row(flat, grads, slot)
-        return (None, *grads)
+        if ctx.params is None:
+            for slot, group in ctx.plan:                     # ascending logical expert id
+                flat = _row(grads, slot)
+                dist.all_reduce(flat, group=group)
+                _write_row(flat, grads, slot)
+            return (None, None, *grads)
+        pending = []
+        for slot, group in ctx.plan:                         # ascending logical expert id, on every rank alike
+            local = _row(grads, slot)
+            total = local.clone()
+            pending.append((slot, local, total, dist.all_reduce(total, group=group, async_op=True)))
+        params = ctx.params
+        torch.autograd.Variable._execution_engine.queue_callback(lambda: _add_other_replicas(params, pending))
+        return (None, None, *grads)
+
+
+def _add_other_replicas(params, pending) -> None:
+    """End of the backward pass: the overlapped all-reduces' sums, less this rank's own rows (already accumulated),
+    added into each parameter's gradient."""
+    targets = []
+    for p in params:
+        g = p.grad if p.grad is not None else getattr(p, "main_grad", None)
+        if g is None:
+            raise RuntimeError("overlapped replica gradient sync: a replicated expert's parameter has no gradient "
+                               "at the end of the backward pass (neither .grad nor main_grad)")
+        targets.append(g)
+    for slot, local, total, work in pending:
+        work.wait()
+        _write_row(total - local, targets, slot, add=True)
 
 
 class _ShadowCopies(torch.autograd.Function):
@@ -236,8 +267,9 @@ class PlacementRuntime:
     """The placement of one MoE layer on its expert-parallel group (module docstring)."""
 
     def __init__(self, num_experts: int, ep: ExpertParallel, slots_per_rank: int, edp_group=None,
-                 cache: Optional[GroupCache] = None):
+                 cache: Optional[GroupCache] = None, overlap_sync: bool = False):
         self.ep, self.edp_group = ep, edp_group
+        self.overlap_sync = bool(overlap_sync)               # replicas' gradient all-reduces behind the backward
         self.num_experts, self.slots_per_rank = int(num_experts), int(slots_per_rank)
         self.state = PlacementState(num_experts, ep.size, slots_per_rank, max_replicas_per_rank=1)
         self.shadowed: List[int] = []
@@ -352,7 +384,7 @@ class PlacementRuntime:
         if self._sync_plan_keys and torch.is_grad_enabled():
             plan = [(slot, self.ep.group if whole else self.cache.get(ranks))
                     for slot, ranks, whole in self._sync_plan_keys]
-            present = list(_ReplicaGradSync.apply(plan, *present))
+            present = list(_ReplicaGradSync.apply(plan, self.overlap_sync, *present))
         if self._shadow_entries:
             pre = self._prefetch
             if pre is not None and not pre.valid_for(self._shadow_entries, present):
