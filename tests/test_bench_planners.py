@@ -1,4 +1,4 @@
-"""``megamoe bench planners``' ceiling: the most any placement could save on a run's routing, by a named profile."""
+"""``megamoe bench planners``: the balance bound (the expert compute perfect balance saves on a run's routing)."""
 import os
 
 import pytest

@@ -77,7 +77,10 @@ def baseline(cache):
 
 @pytest.fixture(scope="module")
 def flexmoe_run(cache, profile):
-    losses, out = run(2, [*EP2, *COMMON, *_policy("flexmoe", profile)], cache)
+    """FlexMoE with the replicas' gradient all-reduces overlapped (completed into Megatron's main_grad at the end
+    of the backward pass); the synchronous default runs in Megatron-LM's own loop (test_megatron_lm)."""
+    losses, out = run(2, [*EP2, *COMMON, *_policy("flexmoe", profile), "--moe-plugin-placement-overlap-sync"],
+                      cache)
     return losses, out
 
 

@@ -27,8 +27,10 @@ settled), token efficiency (kept / routed),
 expert efficiency (FlexMoE §5.4: useful expert rows over P x the busiest rank's rows, under the placement each step
 ran with), the balance ratio over time (Eq. 6, first and last quarter), moves and bytes moved, the validation loss
 at the end and the training time to a common target loss (the worst of the runs' best losses). Per cell, the
-balance bound: static's step less the most any placement could save on this routing (every rank at the mean expert
-load, nothing paid for it), priced with the profile the planners calibrated: a ceiling on the planners' speed-up. With ``--balanced``
+balance bound: static's step less the expert compute that perfect balance would save on this routing (every rank at
+the mean expert load, nothing paid for it), priced with the profile the planners calibrated. Compute only: the
+all-to-all that a balanced placement also evens out (the busiest rank receives fewer tokens) is not in it, so a
+planner can beat it. With ``--balanced``
 the same four on a balanced model (gshard top-2, balance loss 0.01): the planners must stay idle there.
 """
 from __future__ import annotations
@@ -113,10 +115,10 @@ def _profile_of(out: str) -> Optional[str]:
 
 
 def balance_bound_saving(counts, profile_path: Optional[str]) -> Optional[float]:
-    """The most any placement could save per step on this routing, by the cost model of ``profile_path``: the
-    expert compute of the static blocks ([S, L, P, E] counts, second half of the steps) less that of every rank
-    holding the mean load, with nothing paid for it (no replica synchronisation, no moves, the same all-to-all).
-    A ceiling on what a planner can deliver here, not a prediction of one."""
+    """The expert compute per step that perfect balance would save on this routing, by the cost model of
+    ``profile_path``: that of the static blocks ([S, L, P, E] counts, second half of the steps) less that of every
+    rank holding the mean load, with nothing paid for it (no replica synchronisation, no moves). The all-to-all is
+    left out (a balance also evens out what the busiest rank receives), so a planner can save more than this."""
     if profile_path is None:
         return None
     import torch
@@ -376,7 +378,8 @@ def format_results(results: dict) -> str:
         bound = next((r["bound_speedup"] for r in c["rows"] if r.get("bound_speedup")), None)
         if bound:
             lines.append(f"{'':>6} {'':>11} {c['routing']:<15} balance bound: {bound:.2f}x of static's step "
-                         "(every rank at the mean expert load, free; predicted with the runs' calibrated profile)")
+                         "(expert compute at the mean load on every rank, for free; the all-to-all left out; "
+                         "predicted with the runs' calibrated profile)")
     return "\n".join(lines)
 
 
