@@ -9,8 +9,8 @@ A real-text MoE LM whose routing skews on its own (the embedded corpus, 16 exper
 - ``shadow``: FasterMoE dynamic shadowing, its broadcasts prefetched after the optimizer step (hidden behind the
   next batch and the layers below); ``shadow_sync``: the same with the broadcasts in the layer's forward (what the
   prefetch hides is the difference); ``flexmoe``: FlexMoE vExperts; ``flexmoe_overlap``: the same with the
-  replicas' gradient all-reduces behind the backward (``--moe-placement-overlap-sync``); ``eplb``: DeepSeek's EPLB (one spare
-  slot per rank, like FlexMoE); all with the default cost model (the start-up calibration of this cluster,
+  replicas' gradient all-reduces behind the backward (``--moe-placement-overlap-sync``); ``eplb``: DeepSeek's
+  EPLB (one spare slot per rank, like FlexMoE); all with the default cost model (the start-up calibration of this cluster,
   ``--moe-placement-profile auto``);
 - ``shadow_unguarded``: shadowing with the pay-off guard off (``--moe-placement-guard -1``): what the guard's
   verdicts cost or save;
