@@ -11,7 +11,8 @@ first run, every rank at the same point):
    hidden/FFN sizes with every rank at once (and rank 0 alone: ranks sharing one machine's cores become a shared
    compute pool; not where every rank is capped to a CPU share, ``fixed_speed_ranks``), the point-to-point
    alpha-beta of every level of the topology (``Topology.measure``), the latency of a small all-to-all, a
-   broadcast + reduce of one expert (what shadowing costs, with the library's own algorithm) and the fixed cost of a tiny MoE layer step; fits a ``HardwareProfile`` and caches it.
+   broadcast + reduce of one expert (what shadowing costs, with the library's own algorithm) and the fixed cost
+   of a tiny MoE layer step; fits a ``HardwareProfile`` and caches it.
 
 ``DriftWatch`` refreshes it: the policies log the measured training step time and the model's predicted MoE time
 after every run; when their ratio moves by more than ``tolerance`` (default 50%) away from the ratio seen right after
