@@ -263,6 +263,13 @@ def test_layer_time_replicated_expert():
     assert b.alltoall == approx(4 * a2a)
     assert b.sync == approx(sync)
     assert b.total == approx(3 * comp + 4 * a2a + sync)
+    # overlapped all-reduces: the model charges the measured share of Eq. 9 that the step waits for
+    cm.sync_exposure = 0.25
+    b_hidden = cm.layer_time(COUNTS, placement)
+    assert b_hidden.sync == approx(0.25 * sync)
+    assert b_hidden.total == approx(3 * comp + 4 * a2a + 0.25 * sync)
+    assert cm.replica_sync_time(cm.placement_matrix(placement)) == approx(sync)
+    assert cm.shadow_layer_time(COUNTS, [1], placement).sync >= 0.25 * sync
     # without a profiled BPS: ring all-reduce over (0, 2), each sends S to the other across the 1 GB/s uplinks
     b2 = CostModel(tree2x2(), 1e12, SHAPE).layer_time(COUNTS, placement)
     assert b2.sync == approx(32768 / 1e9)

@@ -7,6 +7,8 @@ change took."""
 import json
 from types import SimpleNamespace
 
+import pytest
+
 from megamoe_plugin.placement.guard import WAIT, PayoffGuard
 from megamoe_plugin.placement.state import PlacementState
 
@@ -436,3 +438,44 @@ def test_a_policy_that_keeps_changing_nothing_plans_less_and_less_often(monkeypa
     _train(layer, opt, hook, 40, before_hook=lambda it: step.__setitem__(0, it))
     assert planned == [1, 3, 6, 11, 19, 27, 35], planned
     assert not layer.experts.placement.shadowed
+
+
+def test_overlapped_replica_sync_is_priced_at_the_share_the_steps_waited_for():
+    """--moe-placement-overlap-sync: the policy measures the seconds per step the backward's end waited for the
+    replicas' all-reduces and prices Eq. 9 at that share of itself (cumulative over runs); synchronous sync and
+    runs without replicas leave the full price."""
+    import torch
+
+    from megamoe_plugin import MoEConfig
+    from megamoe_plugin.perfmodel.profiles import HardwareProfile
+    from megamoe_plugin.placement.policies import FlexMoEPolicy
+
+    def policy(overlap):
+        cfg = MoEConfig(num_experts=4, top_k=1, gate="switch", placement="flexmoe", placement_spare_slots=1,
+                        placement_profile="flexmoe-a100", placement_overlap_sync=overlap)
+        p = FlexMoEPolicy(cfg)
+        p.profile = HardwareProfile(name="two", nodes=1, gpus_per_node=2, sync_bps={"0,1": 1e9})
+        return p
+
+    state = PlacementState(4, 2, 3)
+    rt = SimpleNamespace(state=state, shadowed=[], num_experts=4, ep=SimpleNamespace(size=2))
+    bank = SimpleNamespace(hidden_size=64, ffn_hidden_size=128, w1=torch.zeros(1))      # fp32: 4 bytes
+    layer = SimpleNamespace(plan=SimpleNamespace(placement=rt), experts_bank=bank)
+    eq9 = 2 * 64 * 128 * 4 / 1e9                           # one replicated expert's gradient over 1 GB/s
+
+    p = policy(True)
+    p._learn_sync_exposure([layer], 1e-3)                 # nothing replicated: no evidence
+    assert p.sync_exposure == 1.0
+    state.expand(0, 1)                                    # expert 0 on ranks 0 and 1
+    p._learn_sync_exposure([layer], eq9 / 4)
+    assert p.sync_exposure == pytest.approx(0.25)
+    p._learn_sync_exposure([layer], eq9 * 3 / 4)
+    assert p.sync_exposure == pytest.approx(0.5)          # (1/4 + 3/4) / 2
+    _, cm = p._cm(bank, 4, 2)
+    assert cm.layer_time(torch.ones(2, 4), state.placement()).sync == pytest.approx(0.5 * eq9)
+    p._learn_sync_exposure([layer], eq9 * 10)             # waits longer than Eq. 9: all of it, no more
+    assert p.sync_exposure == 1.0
+
+    sync = policy(False)
+    sync._learn_sync_exposure([layer], eq9 / 4)
+    assert sync.sync_exposure == 1.0

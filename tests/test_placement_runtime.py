@@ -90,8 +90,12 @@ def _equivalence(rank, world, steps, out_dir, extra=None):
     for step in range(steps):
         x, target = _data(rank, step)
         l_ref = _train_step(ref, opt_ref, x, target)
+        replicated = any(rt.state.num_replicas(e) > 1 and rank in rt.state.replicas(e) for e in range(rt.num_experts))
         l_mov = _train_step(moved, opt_mov, x, target)
         assert torch.allclose(l_ref, l_mov, rtol=1e-5, atol=1e-6), (step, l_ref.item(), l_mov.item())
+        # the backward's end waited (the wait is timed) only for overlapped all-reduces of replicas this rank holds
+        waited = rt.take_sync_wait()
+        assert (waited > 0) == (replicated and rt.overlap_sync), (step, waited, replicated)
         moves, shadow = _random_changes(rt, rng, step)
         kinds.update(m.kind for m in moves)
         apply_placement([(rt, moves, moved.experts)], opt_mov)

@@ -12,6 +12,8 @@ Owns the per-layer cost model shared by the planners and simulators:
 * replicated experts, paper 001 §3.4 Eq.9: ``T_Sync = size(e.gradients) / BPS(group)`` per replicated expert,
   BPS profiled per device group or derived from the network's ring all-reduce; FlexMoE's flexible routing
   (Algorithm 3: an expert's tokens split evenly over its replicas, each source filling its own replica first);
+  ``sync_exposure`` is the share of T_Sync a step waits for: 1 when the all-reduces complete inside the layer's
+  backward, less when they overlap the layers below (the placement policies set it from the measured waits);
 * shadowing, paper 003 §4.1 Eq.8: a shadowed expert's tokens stay on their source, its parameters are broadcast
   and its gradients reduced (``shadow_layer_time``);
 * expert moves, paper 001 §3.4 "Expert Adjustment Cost": size(model states) / Bw_{g,g'} (``move_time``).
@@ -93,6 +95,7 @@ class CostModel:
         self.sync_bps = {tuple(sorted(int(r) for r in k)): float(v) for k, v in (sync_bps or {}).items()}
         self.shared_gemm_flops = float(shared_gemm_flops or 0.0)
         self.bcast = bcast          # (bytes/s, seconds) of one measured broadcast (or reduce) over all ranks
+        self.sync_exposure = 1.0    # share of the replicas' all-reduce time the step waits for (module docstring)
 
     def _per_rank(self, value, what) -> torch.Tensor:
         t = torch.as_tensor(value, dtype=torch.float64).reshape(-1)
@@ -194,6 +197,13 @@ class CostModel:
         rank_tokens = self._route(c, m)
         comp = 3.0 * self.compute_time(rank_tokens.sum(0))
         a2a = 4.0 * self.alltoall_time(rank_tokens)
+        sync = self.sync_exposure * self.replica_sync_time(m, sync_cache)
+        return Breakdown(comp, a2a, sync, comp + a2a + sync)
+
+    def replica_sync_time(self, multiplicity: torch.Tensor, sync_cache: Optional[dict] = None) -> float:
+        """Eq.9 summed over the experts replicated on more than one rank of an [E, P] multiplicity matrix, all of
+        it (``sync_exposure`` not applied)."""
+        m = torch.as_tensor(multiplicity)
         sync = 0.0
         size = self.shape.expert_param_bytes
         for e in ((m > 0).sum(1) > 1).nonzero().reshape(-1).tolist():
@@ -204,7 +214,7 @@ class CostModel:
                 if group not in sync_cache:
                     sync_cache[group] = self.sync_time(size, group)
                 sync += sync_cache[group]
-        return Breakdown(comp, a2a, sync, comp + a2a + sync)
+        return sync
 
     def shadow_layer_time(self, counts, shadowed: Iterable[int], placement: Placement = None) -> Breakdown:
         """FasterMoE dynamic shadowing (paper 003 §4.1, Eq.8 on the network): the experts in `shadowed` are
@@ -234,10 +244,9 @@ class CostModel:
             chain = [(owner + k) % p for k in range(p)]
             sync += self.network.broadcast_time(s, chain) + self.network.reduce_time(s, chain)
         # replicated (non-shadowed) experts still all-reduce their gradients
-        for e in keep.nonzero().reshape(-1).tolist():
-            ranks = m[e].nonzero().reshape(-1).tolist()
-            if len(ranks) > 1:
-                sync += self.sync_time(s, ranks)
+        rest_m = m.clone()
+        rest_m[~keep] = 0.0
+        sync += self.sync_exposure * self.replica_sync_time(rest_m)
         return Breakdown(comp, a2a, sync, comp + a2a + sync)
 
     def _counts(self, counts) -> torch.Tensor:

@@ -42,7 +42,10 @@ the busiest rank's rows)), ``replicas`` (vExperts beyond one per expert, shadow 
 steps' mean counts under the placement they ran with, summed over layers), ``predicted_static_step_s`` (the same
 counts under static contiguous experts: the two give the model's predicted saving per step), ``shadow_wait_s``
 (seconds per step the forwards waited for the shadowed experts' prefetched copies: the part of their broadcasts not
-hidden behind other work; ``--moe-placement-prefetch``), ``measured_step_s`` (wall time per optimizer step since the previous run, the whole training step),
+hidden behind other work; ``--moe-placement-prefetch``), ``sync_wait_s`` (seconds per step the backward passes' ends
+waited for the overlapped replica all-reduces, ``--moe-placement-overlap-sync``) and ``sync_exposure`` (that wait
+over the model's Eq. 9 time of the replicas that ran: the share of replica sync the model now charges, so
+1 - ``sync_exposure`` is the measured hidden fraction), ``measured_step_s`` (wall time per optimizer step since the previous run, the whole training step),
 ``step_noise`` (the relative spread of a step under the original placement from one step to the next, the
 slowest rank's) and
 ``realisation`` (the share of its predicted savings the model delivered in the guard's verdicts so far,
@@ -135,6 +138,8 @@ class _Policy:
         self.calibrations = 0
         self.metrics_extra: Dict[str, float] = {}      # step_noise, required_gain of the last run
         self._min_gain = MIN_PREDICTED_GAIN             # what the planners must predict at this run
+        self.sync_exposure = 1.0                        # share of replica sync the steps wait for (measured)
+        self._sync_waited = self._sync_predicted = 0.0  # its evidence: seconds per step, summed over runs
         self._cost_models: Dict[tuple, object] = {}
         self._planners: Dict[tuple, object] = {}
         self.metrics: Dict[str, float] = {}
@@ -156,7 +161,31 @@ class _Policy:
             shape = LayerShape(bank.hidden_size, bank.ffn_hidden_size, num_experts,
                                bytes_per_element=bank.w1.element_size())
             self._cost_models[key] = self.profile.cost_model(shape, world_size=num_ranks)
+            self._cost_models[key].sync_exposure = self.sync_exposure
         return key, self._cost_models[key]
+
+    def _learn_sync_exposure(self, layers, sync_wait: Optional[float]) -> None:
+        """``--moe-placement-overlap-sync``: the share of the replicas' gradient all-reduces the steps waited for,
+        measured: the seconds per step the backward passes' ends waited for them (the slowest rank's), over the
+        cost model's Eq. 9 time of the replicated experts the steps ran with, summed over every run that had
+        replicas. Every cost model prices replica sync at that share from then on (``CostModel.sync_exposure``);
+        1 (all of it) until measured, and always without overlap. Job-wide inputs: the same on every rank."""
+        if not self.cfg.placement_overlap_sync or sync_wait is None:
+            return
+        predicted = 0.0
+        for layer in layers:
+            rt = layer.plan.placement
+            m = rt.state.multiplicity().to(torch.float64)
+            m[list(rt.shadowed)] = 0.0
+            _, cm = self._cm(layer.experts_bank, rt.num_experts, rt.ep.size)
+            predicted += cm.replica_sync_time(m)
+        if predicted <= 0:
+            return
+        self._sync_waited += sync_wait
+        self._sync_predicted += predicted
+        self.sync_exposure = min(1.0, self._sync_waited / self._sync_predicted)
+        for cm in self._cost_models.values():
+            cm.sync_exposure = self.sync_exposure
 
     def decide(self, key, cm, rt, counts):
         raise NotImplementedError
@@ -263,16 +292,19 @@ class _Policy:
             measured = (now - self._clock) / (ctx.iteration - self._last_iteration)
         # the slowest rank's: every decision taken from it (re-calibrating on drift) must be the same on every rank
         guarded = self.guard.enabled
-        measured, baseline, noise = job_max_many([measured, self.guard.baseline(every) if guarded else None,
-                                                  self.guard.step_noise() if guarded else None])
+        steps = run_steps + self._held_steps
+        sync_wait = sum(m.plan.placement.take_sync_wait() for m in layers) / steps
+        measured, baseline, noise, sync_wait = job_max_many([
+            measured, self.guard.baseline(every) if guarded else None,
+            self.guard.step_noise() if guarded else None, sync_wait])
         self.guard.job_noise = noise
         changes, rows, decisions = [], [], []
         before = [(m.plan.placement.state.copy(), tuple(m.plan.placement.shadowed)) for m in layers]
         # the counts of the steps since the last run, as one step's: the cost model prices one step, against
         # which a move's one-off transfer is amortised over the interval
-        steps = run_steps + self._held_steps
         self._held_steps = 0
         all_counts = [c / steps for c in gather_counts([m.plan.placement for m in layers])]   # one collective
+        self._learn_sync_exposure(layers, sync_wait)
         self._min_gain = self._required_gain(layers, all_counts, every, baseline, noise)
         static_pred = 0.0
         for i, (layer, counts) in enumerate(zip(layers, all_counts)):
@@ -316,6 +348,8 @@ class _Policy:
             self.metrics["predicted_static_step_s"] = static_pred
             self.metrics.update(self.metrics_extra)
             self.metrics["shadow_wait_s"] = waited / steps
+            self.metrics["sync_wait_s"] = sync_wait
+            self.metrics["sync_exposure"] = self.sync_exposure
         if self.drift is not None and self.drift.observe(measured, self.metrics.get("predicted_step_s", 0.0)):
             self.profile = None               # the model no longer matches this cluster: measure it again
             self.drift.reset()

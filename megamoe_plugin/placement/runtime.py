@@ -153,9 +153,10 @@ class _ReplicaGradSync(torch.autograd.Function):
     Megatron's ``main_grad`` once its accumulation hook has moved ``.grad`` there)."""
 
     @staticmethod
-    def forward(ctx, plan, overlap, *weights):
+    def forward(ctx, plan, runtime, *weights):
         ctx.plan, ctx.meta = plan, [(w.shape, w.dtype, w.device) for w in weights]
-        ctx.params = weights if overlap else None
+        ctx.params = weights if runtime.overlap_sync else None
+        ctx.runtime = runtime
         return tuple(w.view_as(w) for w in weights)
 
     @staticmethod
@@ -173,14 +174,16 @@ class _ReplicaGradSync(torch.autograd.Function):
             local = _row(grads, slot)
             total = local.clone()
             pending.append((slot, local, total, dist.all_reduce(total, group=group, async_op=True)))
-        params = ctx.params
-        torch.autograd.Variable._execution_engine.queue_callback(lambda: _add_other_replicas(params, pending))
+        params, runtime = ctx.params, ctx.runtime
+        torch.autograd.Variable._execution_engine.queue_callback(
+            lambda: _add_other_replicas(params, pending, runtime))
         return (None, None, *grads)
 
 
-def _add_other_replicas(params, pending) -> None:
+def _add_other_replicas(params, pending, runtime) -> None:
     """End of the backward pass: the overlapped all-reduces' sums, less this rank's own rows (already accumulated),
-    added into each parameter's gradient."""
+    added into each parameter's gradient. The seconds spent waiting for them (the part of the all-reduces the layers
+    below did not hide) add up in ``runtime.sync_wait_s``."""
     targets = []
     for p in params:
         g = p.grad if p.grad is not None else getattr(p, "main_grad", None)
@@ -188,8 +191,11 @@ def _add_other_replicas(params, pending) -> None:
             raise RuntimeError("overlapped replica gradient sync: a replicated expert's parameter has no gradient "
                                "at the end of the backward pass (neither .grad nor main_grad)")
         targets.append(g)
-    for slot, local, total, work in pending:
+    start = time.perf_counter()
+    for _, _, _, work in pending:
         work.wait()
+    runtime.sync_wait_s += time.perf_counter() - start
+    for slot, local, total, _ in pending:
         _write_row(total - local, targets, slot, add=True)
 
 
@@ -270,6 +276,7 @@ class PlacementRuntime:
                  cache: Optional[GroupCache] = None, overlap_sync: bool = False):
         self.ep, self.edp_group = ep, edp_group
         self.overlap_sync = bool(overlap_sync)               # replicas' gradient all-reduces behind the backward
+        self.sync_wait_s = 0.0                               # seconds the backward's end waited for them, so far
         self.num_experts, self.slots_per_rank = int(num_experts), int(slots_per_rank)
         self.state = PlacementState(num_experts, ep.size, slots_per_rank, max_replicas_per_rank=1)
         self.shadowed: List[int] = []
@@ -384,7 +391,7 @@ class PlacementRuntime:
         if self._sync_plan_keys and torch.is_grad_enabled():
             plan = [(slot, self.ep.group if whole else self.cache.get(ranks))
                     for slot, ranks, whole in self._sync_plan_keys]
-            present = list(_ReplicaGradSync.apply(plan, self.overlap_sync, *present))
+            present = list(_ReplicaGradSync.apply(plan, self, *present))
         if self._shadow_entries:
             pre = self._prefetch
             if pre is not None and not pre.valid_for(self._shadow_entries, present):
@@ -439,6 +446,12 @@ class PlacementRuntime:
         """This rank's dropped assignments since the last call."""
         d, self.step_dropped = self.step_dropped, None
         return 0.0 if d is None else float(d)
+
+    def take_sync_wait(self) -> float:
+        """Seconds the ends of the backward passes waited for the overlapped replica all-reduces since the last
+        call (0 without ``overlap_sync``)."""
+        w, self.sync_wait_s = self.sync_wait_s, 0.0
+        return w
 
     @torch.no_grad()
     def execute(self, moves: Sequence[Move], bank, optimizer=None) -> int:
