@@ -43,3 +43,14 @@ def test_profile_of_reads_the_path_the_policy_logged(tmp_path):
                 f"links 0.655 / 0.102 GB/s (intra / inter-node), cached in {path}\n")
     assert planners._profile_of(str(tmp_path / "run")) == path
     assert planners._profile_of(str(tmp_path / "nowhere")) is None
+
+
+def test_the_table_says_what_share_of_replica_sync_the_steps_waited_for():
+    row = {"run": "flexmoe_overlap", "step_seconds": 2.0, "token_efficiency": 1.0, "expert_efficiency": 0.9,
+           "moves": 4, "final_valid_loss": 2.8, "sync_exposure": 0.25, "sync_wait_s": 0.0125}
+    static = dict(row, run="static", sync_exposure=None, sync_wait_s=None)
+    text = planners.format_results({"cells": [{"tokens_per_rank": 2048, "inter_node_bandwidth": 100e6,
+                                               "routing": "skewed", "rows": [static, row]}]})
+    assert "flexmoe_overlap: the steps waited for 25% of the replicas' modelled all-reduce time" in text
+    assert "12.5 ms per step waited" in text
+    assert "static: the steps waited" not in text

@@ -176,6 +176,8 @@ def read_run(run: str, out: str, batch_size: int, seed: int = 0) -> dict:
             "moves": max([p.get("moves_total", 0.0) for p in placed] + [0.0]),
             "shadowed_last": placed[-1].get("shadowed", 0.0) if placed else 0.0,
             "shadow_wait_s": _second_half_mean([p["shadow_wait_s"] for p in placed if "shadow_wait_s" in p]),
+            "sync_wait_s": _second_half_mean([p["sync_wait_s"] for p in placed if "sync_wait_s" in p]),
+            "sync_exposure": placed[-1].get("sync_exposure") if placed else None,
             "replicas_last": placed[-1].get("replicas", 0.0) if placed else 0.0,
             "bytes_moved_last": placed[-1].get("bytes_moved", 0.0) if placed else 0.0,
             "bytes_moved_total": max([p.get("bytes_moved_total", 0.0) for p in placed] + [0.0]),
@@ -375,6 +377,11 @@ def format_results(results: dict) -> str:
                          f"{(f'{late:.2f}x' if late else '-'):>6} {(f'{ps:.2f}x' if ps else '-'):>9} "
                          f"{r['token_efficiency']:>7.3f} {r['expert_efficiency']:>7.3f} {r['moves']:>6.0f} "
                          f"{r.get('bytes_moved_total', 0.0) / 1e6:>8.1f} {r['final_valid_loss']:>10.4f} {ttt:>9}")
+        for r in c["rows"]:
+            if r.get("sync_exposure") is not None and r["sync_exposure"] < 1.0:
+                lines.append(f"{'':>6} {'':>11} {c['routing']:<15} {r['run']}: the steps waited for "
+                             f"{r['sync_exposure']:.0%} of the replicas' modelled all-reduce time (the backward hid "
+                             f"the rest; {(r.get('sync_wait_s') or 0.0) * 1e3:.1f} ms per step waited, second half)")
         bound = next((r["bound_speedup"] for r in c["rows"] if r.get("bound_speedup")), None)
         if bound:
             lines.append(f"{'':>6} {'':>11} {c['routing']:<15} balance bound: {bound:.2f}x of static's step "
