@@ -268,7 +268,8 @@ DIST_OPT = ["--use-distributed-optimizer", "--dist-ckpt-optim-fully-reshardable"
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("optimizer", ["adam", "distributed-bf16"])
+# plain Adam: on the main suite's release; the second release runs it in the megatron-core trainer's placement test
+@pytest.mark.parametrize("optimizer", [pytest.param("adam", marks=pytest.mark.one_release), "distributed-bf16"])
 def test_flexmoe_placement_in_megatron_lm_same_training_and_checkpoint(checkout, tmp_path, optimizer):
     """The patched pretrain_gpt.py with --moe-plugin-placement flexmoe: experts move (the summary line says so), the
     losses are those of the run without placement, and the torch_dist checkpoint written after the moves (experts

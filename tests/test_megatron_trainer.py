@@ -126,6 +126,7 @@ def test_bf16_trains_like_fp32(cache):
 
 
 # --- checkpoints: saved at --exit-interval, loud when missing, code-free, one LR schedule for every rank ----------
+@pytest.mark.one_release
 def test_exit_interval_saves_and_missing_checkpoint_is_loud(cache, tmp_path):
     layout = ["--train-iters", "4", "--moe-plugin-second-expert-policy", "all"]
     ck = str(tmp_path / "ck")
@@ -155,6 +156,7 @@ class _Payload:
         return (pathlib.Path.touch, (pathlib.Path(self.marker),))
 
 
+@pytest.mark.one_release
 def test_code_in_a_checkpoint_file_is_refused_without_running(cache, tmp_path):
     import torch
     layout = ["--train-iters", "4"]
@@ -171,6 +173,7 @@ def test_code_in_a_checkpoint_file_is_refused_without_running(cache, tmp_path):
         open(target, "wb").write(original)
 
 
+@pytest.mark.one_release
 def test_resume_at_larger_world_keeps_the_checkpoint_lr_schedule_on_every_rank(cache, tmp_path):
     """Saved by 1 process (train-iters 6), resumed by 2 (EP=2) with --train-iters 10: rank 1 has no per-rank file,
     and must still follow the checkpoint's schedule (the same LR as rank 0), or the flags' with
