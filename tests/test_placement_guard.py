@@ -114,6 +114,28 @@ def test_a_change_that_lost_is_undone_and_the_policy_pauses():
     assert [guard.paused() for _ in range(5)] == [True] * 4 + [False]
 
 
+def test_a_verdict_judges_against_the_old_placement_on_the_routing_after_the_change():
+    """Steps slowed from 1.0 to 1.2 s after a change, but the model prices the old placement 0.3 s slower on the
+    counts of the window after it than on those before (the routing concentrated): against 1.0 + 0.3 = 1.3 s the
+    change saved 0.1 s and is kept, and its realisation counts that saving. Without the drift it is undone."""
+    snapshots_seen = []
+    for drift, kept in ((lambda snaps: snapshots_seen.append(snaps) or 0.8, True), (None, False)):
+        guard = PayoffGuard(margin=0.03)
+        rt, before = _changed_runtime()
+        guard.record(1.0, cost_s=0.0, interval=3, runtimes=[rt], states=[before], shadows=[()], predicted_s=0.2,
+                     before_model_s=0.5)
+        _steps(guard, 1.2, 1.2, 1.2)
+        verdict = guard.check(3, drift=drift)
+        assert (verdict is None) == kept and guard.kept == int(kept)
+        if kept:
+            first = (rt, before)
+            assert guard.last_drift_s == pytest.approx(0.3)
+            # realised 1.3 - 1.2 = 0.1 s of 0.2 predicted: (0.1 + 0.2 prior) / (0.2 + 0.2)
+            assert guard.realisation() == pytest.approx(0.75)
+    (rt_seen, state_seen, shadow_seen), = snapshots_seen[0]           # the old placement, as recorded
+    assert rt_seen is first[0] and state_seen == first[1] and shadow_seen == ()
+
+
 def test_a_change_that_paid_is_kept_and_one_slow_step_does_not_decide():
     guard = PayoffGuard(margin=0.03)
     rt, before = _changed_runtime()

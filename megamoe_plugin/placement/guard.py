@@ -9,6 +9,12 @@ hook; a step beside which the trainer evaluated counts as the step before it) an
 that made it) spread over the window, with the median of the ``window`` steps before it. Medians, so a step that also ran an evaluation or a checkpoint does not decide. Until the window
 after a change is complete the policy makes no new change (``waiting``), so each verdict judges one change.
 
+The routing moves while a change is judged (early in training it concentrates on fewer experts, and the steps
+of every placement slow down; measured at 2,048 tokens per rank: static's steps 10-20 slower than its steps 1-10,
+and FlexMoE's first change judged a loss on that alone). So the policy gives the verdict the cost model's time of
+the OLD placement on the counts of the window before the change and on those of the window after it, and the
+steps before are moved by the difference: the change is judged against what the old placement would have run.
+
 Slower by more than ``margin``: the change is undone (the previous slot table is restored with ``eplb.moves_to``,
 the previous shadow set put back) and the policy pauses for ``backoff ** strikes`` runs (doubling at each
 consecutive undo, at most ``max_pause``); not slower: kept, and the strikes reset. The medians and the change's
@@ -48,7 +54,7 @@ from __future__ import annotations
 
 import statistics
 from dataclasses import dataclass, field
-from typing import List, Optional, Sequence, Tuple
+from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -90,6 +96,7 @@ class _Change:
     snapshots: List[Tuple[object, PlacementState, Tuple[int, ...]]] = field(default_factory=list)
     from_origin: bool = False                         # made from the original placement: undoing it returns there
     predicted_s: Optional[float] = None               # the saving per step its planner predicted
+    before_model_s: Optional[float] = None            # the model's step of the old placement on the counts before
 
 
 class PayoffGuard:
@@ -116,6 +123,7 @@ class PayoffGuard:
         self.realised_saved = 0.0                     # sum of the savings their verdicts measured (s, < 0: lost)
         self.judged = 0                               # verdicts with a prediction
         self.job_noise: Optional[float] = None        # the job's step_noise, as the policy last all-reduced it
+        self.last_drift_s = 0.0                       # how far the last verdict moved the steps before (s)
 
     @property
     def enabled(self) -> bool:
@@ -143,11 +151,18 @@ class PayoffGuard:
         ``min_steps``: a policy's first run at step ``interval`` has seen ``interval - 1`` step durations)."""
         return statistics.median(self.steps[-self.window(interval):]) if len(self.steps) >= self.min_steps else None
 
-    def check(self, interval: int):
+    def check(self, interval: int, drift: Optional[Callable[[list], Optional[float]]] = None):
         """At a policy run (collective while a change is pending or the placement is away from the original):
         None (nothing to judge, or it paid), ``WAIT`` (a change's window is not complete: make no new change), or
         for every layer ``(runtime, moves, shadow set)`` that undo the last change or return to the original
-        placement (it lost)."""
+        placement (it lost).
+
+        ``drift``: called with the change's snapshots when its verdict is due (collective: every rank judges at the
+        same step), the model's step time of the OLD placement on the counts of the window after the change, or
+        None. The routing moves while a change is judged (early in training it concentrates on fewer experts, and
+        every placement's steps slow down); the verdict then weighs the steps after the change against the steps
+        before it moved by the model's difference between the old placement on the two windows' counts
+        (``before_model_s`` at ``record``), not against the steps before as they were."""
         if not self.enabled:
             return None
         change = self.pending
@@ -158,13 +173,19 @@ class PayoffGuard:
             return WAIT
         self.pending = None
         measured = job_max(statistics.median(after[:change.window]))
+        before_s = change.before_s
+        if drift is not None and change.before_model_s is not None:
+            old_after = drift(change.snapshots)
+            if old_after is not None:
+                before_s = max(before_s + old_after - change.before_model_s, 0.0)
+        self.last_drift_s = before_s - change.before_s
         if change.predicted_s is not None and change.predicted_s > 0:
-            realised = change.before_s - (measured + change.cost_s / change.window)
+            realised = before_s - (measured + change.cost_s / change.window)
             self.predicted_saved += change.predicted_s
             self.realised_saved += min(change.predicted_s, realised + self.verdict_error(change))
             self.judged += 1
         behind = self._behind(interval)
-        if not behind and measured + change.cost_s / change.window <= change.before_s * (1.0 + self.margin):
+        if not behind and measured + change.cost_s / change.window <= before_s * (1.0 + self.margin):
             self.kept += 1
             self.strikes = 0
             return None
@@ -275,12 +296,14 @@ class PayoffGuard:
 
     def record(self, before_s: Optional[float], cost_s: float, interval: int, runtimes: Sequence[object],
                states: Sequence[PlacementState], shadows: Sequence[Tuple[int, ...]],
-               predicted_s: Optional[float] = None) -> None:
+               predicted_s: Optional[float] = None, before_model_s: Optional[float] = None) -> None:
         """A run changed the placement: remember what it was, to judge the change once its window is measured.
         ``before_s``: the job's median step before the change (``job_max(baseline(interval))``); ``cost_s``: this
         rank's time for the run that made it; ``predicted_s``: the saving per step its planner predicted (for
-        ``realisation``). Collective (every rank records the same change): the verdict adds the
-        slowest rank's cost, so every rank judges the change alike."""
+        ``realisation``); ``before_model_s``: the model's step time of the old placement on the counts of the
+        steps before the change (the reference ``check``'s ``drift`` is taken against; job-wide). Collective (every
+        rank records the same change): the verdict adds the slowest rank's cost, so every rank judges the change
+        alike."""
         if before_s is None or not self.enabled:
             return
         cost_s, predicted_s = job_max_many([cost_s, predicted_s])
@@ -292,4 +315,4 @@ class PayoffGuard:
             self.reference = job_max(statistics.median(self.origin_steps)) if self.origin_steps else before_s
             self.at_origin, self.away, self.away_steps, self._next_watch = False, [], 0, 0
         self.pending = _Change(before_s, cost_s, len(self.steps), self.window(interval), snapshots, from_origin,
-                               predicted_s)
+                               predicted_s, before_model_s)

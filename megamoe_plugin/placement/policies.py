@@ -38,7 +38,8 @@ placement), ``token_efficiency`` (kept / routed assignments), ``expert_efficienc
 the busiest rank's rows)), ``replicas`` (vExperts beyond one per expert, shadow copies included), ``shadowed``,
 ``moves``, ``bytes_moved`` (model-state bytes sent by the group's ranks), ``changes_kept`` / ``changes_undone``
 (the guard's verdicts so far; ``returned_to_start``: undos that went back to the original placement;
-``guard_stopped``: 1 once the guard stopped the policy for the run), ``predicted_step_s`` (the cost model's MoE-layer time of one step with the last
+``guard_stopped``: 1 once the guard stopped the policy for the run; ``verdict_drift_s``: how far the last verdict
+moved the steps before the change for the routing's drift, ``PayoffGuard.check``), ``predicted_step_s`` (the cost model's MoE-layer time of one step with the last
 steps' mean counts under the placement they ran with, summed over layers), ``predicted_static_step_s`` (the same
 counts under static contiguous experts: the two give the model's predicted saving per step), ``shadow_wait_s``
 (seconds per step the forwards waited for the shadowed experts' prefetched copies: the part of their broadcasts not
@@ -226,6 +227,16 @@ class _Policy:
         self._idle_runs += 1
         self._idle_skip = min(2 ** (self._idle_runs - 1), max(0, IDLE_GAP_STEPS // max(every, 1) - 1))
 
+    def _placement_time(self, layers, all_counts, placements) -> float:
+        """The model's MoE time of one step with these counts under these (slot table, shadow set) per layer."""
+        total = 0.0
+        for layer, counts, (state, shadow) in zip(layers, all_counts, placements):
+            rt = layer.plan.placement
+            _, cm = self._cm(layer.experts_bank, rt.num_experts, rt.ep.size)
+            total += cm.shadow_layer_time(counts, list(shadow), state.placement()).total if shadow \
+                else cm.layer_time(counts, state.placement()).total
+        return total
+
     def _predicted_saving(self, layers, rows) -> float:
         """The cost model's saving per step of the change this run made: the layers' predicted time with the last
         steps' counts under the placement they ran with, less the same under the new one (slot table and shadow
@@ -266,13 +277,20 @@ class _Policy:
         every = self.cfg.placement_every
         run_steps = max(int(getattr(ctx, "steps", 1)), 1)      # optimizer steps since the policy last ran
         layers = [m for m in ctx.moe_layers if getattr(m.plan, "placement", None) is not None]
-        verdict = self.guard.check(every)            # the last change, judged on the steps after it
+        steps = run_steps + self._held_steps
+        gathered = []                                # the counts, when the verdict's drift needed them first
+
+        def old_placement_time(snapshots):
+            gathered.append([c / steps for c in gather_counts([m.plan.placement for m in layers])])
+            return self._placement_time(layers, gathered[0], [(state, shadow) for _, state, shadow in snapshots])
+
+        verdict = self.guard.check(every, drift=old_placement_time if self.profile is not None else None)
         undo = verdict if isinstance(verdict, list) else None
         hold = verdict == WAIT or (undo is None and self.guard.paused())
         if not hold and undo is None and self._idle_skip > 0:
             self._idle_skip -= 1
             hold = True
-        if (hold and verdict != WAIT and self.profile is not None
+        if (hold and verdict != WAIT and self.profile is not None and not gathered
                 and not any(m.plan.placement.shadowed for m in layers)):
             # held (paused, stopped, or the guard's reference still short) with nothing to keep up to date: no
             # collective at all, so a policy that does not act costs the steps nothing; the layers' counts add up
@@ -292,7 +310,6 @@ class _Policy:
             measured = (now - self._clock) / (ctx.iteration - self._last_iteration)
         # the slowest rank's: every decision taken from it (re-calibrating on drift) must be the same on every rank
         guarded = self.guard.enabled
-        steps = run_steps + self._held_steps
         sync_wait = sum(m.plan.placement.take_sync_wait() for m in layers) / steps
         measured, baseline, noise, sync_wait = job_max_many([
             measured, self.guard.baseline(every) if guarded else None,
@@ -303,7 +320,8 @@ class _Policy:
         # the counts of the steps since the last run, as one step's: the cost model prices one step, against
         # which a move's one-off transfer is amortised over the interval
         self._held_steps = 0
-        all_counts = [c / steps for c in gather_counts([m.plan.placement for m in layers])]   # one collective
+        all_counts = gathered[0] if gathered else \
+            [c / steps for c in gather_counts([m.plan.placement for m in layers])]             # one collective
         self._learn_sync_exposure(layers, sync_wait)
         self._min_gain = self._required_gain(layers, all_counts, every, baseline, noise)
         static_pred = 0.0
@@ -342,7 +360,8 @@ class _Policy:
         if changed and undo is None:
             self.guard.record(baseline, time.perf_counter() - now, every, [m.plan.placement for m in layers],
                               [b[0] for b in before], [b[1] for b in before],
-                              predicted_s=self._predicted_saving(layers, rows))
+                              predicted_s=self._predicted_saving(layers, rows),
+                              before_model_s=sum(row[4] for row in rows))
         self._report(rows, sent, measured)
         if rows:
             self.metrics["predicted_static_step_s"] = static_pred
@@ -392,6 +411,7 @@ class _Policy:
             "calibrations": float(self.calibrations),
             "changes_kept": float(self.guard.kept), "changes_undone": float(self.guard.undone),
             "returned_to_start": float(self.guard.returned), "guard_stopped": float(self.guard.stopped),
+            "verdict_drift_s": self.guard.last_drift_s,
         }
         if measured is not None:
             self.metrics["measured_step_s"] = measured
