@@ -241,13 +241,9 @@ class _Policy:
         """The cost model's saving per step of the change this run made: the layers' predicted time with the last
         steps' counts under the placement they ran with, less the same under the new one (slot table and shadow
         set)."""
-        saving = 0.0
-        for layer, (rt, counts, _, _, before_s, _, _) in zip(layers, rows):
-            _, cm = self._cm(layer.experts_bank, rt.num_experts, rt.ep.size)
-            after_s = cm.shadow_layer_time(counts, rt.shadowed, rt.state.placement()).total if rt.shadowed \
-                else cm.layer_time(counts, rt.state.placement()).total
-            saving += before_s - after_s
-        return saving
+        before_s = sum(row[4] for row in rows)
+        return before_s - self._placement_time(layers, [row[1] for row in rows],
+                                               [(row[0].state, row[0].shadowed) for row in rows])
 
     def observe_step(self, seconds: float) -> None:
         """One training step's duration, from the after-step hook (the pay-off guard's measurements)."""
@@ -331,8 +327,7 @@ class _Policy:
             dropped = rt.take_dropped() / steps
             key, cm = self._cm(bank, rt.num_experts, rt.ep.size)
             before_loads = rt.state.rank_loads(counts, rt.shadowed)
-            predicted = cm.shadow_layer_time(counts, rt.shadowed, rt.state.placement()).total if rt.shadowed \
-                else cm.layer_time(counts, rt.state.placement()).total
+            predicted = self._placement_time([layer], [counts], [(rt.state, rt.shadowed)])
             static_pred += cm.layer_time(counts, _static_placement(rt)).total
             if undo is not None:                     # the last change did not pay: put back what was there
                 moves, shadow = undo[i][1], list(undo[i][2])
