@@ -130,7 +130,8 @@ class MoEConfig:
                                           "asynchronously right after the optimizer step (on a process group of "
                                           "their own), overlapping the next batch and the layers below the MoE layer, "
                                           "instead of synchronously in its forward.")
-    placement_overlap_sync: bool = _opt(False, "flexmoe / eplb: all-reduce the replicated experts' gradients "
+    placement_overlap_sync: bool = _opt(False, "flexmoe / eplb: all-reduce the replicated experts' gradients, "
+                                               "shadow: reduce the shadow copies' gradients to their owners, "
                                                "asynchronously, behind the backward of the layers below, and "
                                                "complete them at the end of the backward pass (FlexMoE §4), "
                                                "instead of synchronously in the layer's backward.")

@@ -501,3 +501,51 @@ def test_overlapped_replica_sync_is_priced_at_the_share_the_steps_waited_for():
     sync = policy(False)
     sync._learn_sync_exposure([layer], eq9 / 4)
     assert sync.sync_exposure == 1.0
+
+
+def test_overlapped_shadow_traffic_is_priced_at_the_share_the_steps_waited_for():
+    """Shadowing with its broadcasts prefetched and its gradient reduces overlapped: the policy prices Eq. 8's
+    broadcast + reduce at the share of it the steps waited for (cumulative over runs), and Alg. 1 then shadows
+    where the full price would not pay; a synchronous reduce leaves the full price."""
+    import torch
+
+    from megamoe_plugin import MoEConfig
+    from megamoe_plugin.perfmodel.profiles import HardwareProfile
+    from megamoe_plugin.placement.policies import ShadowPolicy
+
+    def policy(overlap):
+        cfg = MoEConfig(num_experts=4, top_k=1, gate="switch", placement="shadow", placement_profile="flexmoe-a100",
+                        placement_overlap_sync=overlap)
+        p = ShadowPolicy(cfg)
+        p.profile = HardwareProfile(name="two", nodes=1, gpus_per_node=2, sync_bps={"0,1": 1e9},
+                                    bcast_gbps=1.0, bcast_latency_us=100.0)
+        return p
+
+    state = PlacementState(4, 2, 2)
+    rt = SimpleNamespace(state=state, shadowed=[], num_experts=4, ep=SimpleNamespace(size=2))
+    bank = SimpleNamespace(hidden_size=64, ffn_hidden_size=128, w1=torch.zeros(1))      # fp32: 4 bytes
+    layer = SimpleNamespace(plan=SimpleNamespace(placement=rt), experts_bank=bank)
+    eq8 = 2 * (100e-6 + 2 * 64 * 128 * 4 / 1e9)          # one broadcast + one reduce of an expert at 1 GB/s
+
+    p = policy(True)
+    p._learn_shadow_exposure([layer], 1e-3)               # nothing shadowed: no evidence
+    assert p.shadow_exposure == 1.0
+    rt.shadowed = [0, 1]
+    p._learn_shadow_exposure([layer], 2 * eq8 / 10)
+    assert p.shadow_exposure == pytest.approx(0.1)
+    p._learn_shadow_exposure([layer], 2 * eq8 * 3 / 10)
+    assert p.shadow_exposure == pytest.approx(0.2)        # (1/10 + 3/10) / 2
+    _, cm = p._cm(bank, 4, 2)
+    assert cm.shadow_layer_time(torch.ones(2, 4), [0]).sync == pytest.approx(0.2 * eq8)
+    # a hot expert on rank 0 whose shadowing the full price of Eq. 8 makes a loss, and the measured share a gain
+    counts = torch.tensor([[0.0, 0, 0, 0], [1000.0, 0, 0, 0]])
+    saving = cm.layer_time(counts).total - cm.shadow_layer_time(counts, [0]).total
+    assert 0 < saving < 0.8 * eq8, (saving, eq8)
+    assert p.decide(None, cm, SimpleNamespace(state=state), counts)[1] == [0]
+    cm.shadow_exposure = 1.0
+    assert p.decide(None, cm, SimpleNamespace(state=state), counts)[1] == []
+
+    sync = policy(False)
+    rt.shadowed = [0]
+    sync._learn_shadow_exposure([layer], eq8 / 10)
+    assert sync.shadow_exposure == 1.0

@@ -15,7 +15,7 @@ from megamoe_plugin.layer import collect_aux_loss
 from megamoe_plugin.placement import PlacementState
 from megamoe_plugin.placement.checkpoint import gather_logical, load_logical, local_from_logical
 from megamoe_plugin.placement.optim_state import check_optimizer_supported, param_state_tensors
-from megamoe_plugin.placement.runtime import GroupCache, apply_placement
+from megamoe_plugin.placement.runtime import GroupCache, apply_placement, group_cache
 
 H, F, T = 8, 12, 24
 
@@ -93,13 +93,17 @@ def _equivalence(rank, world, steps, out_dir, extra=None):
         replicated = any(rt.state.num_replicas(e) > 1 and rank in rt.state.replicas(e) for e in range(rt.num_experts))
         l_mov = _train_step(moved, opt_mov, x, target)
         assert torch.allclose(l_ref, l_mov, rtol=1e-5, atol=1e-6), (step, l_ref.item(), l_mov.item())
-        # the backward's end waited (the wait is timed) only for overlapped all-reduces of replicas this rank holds
+        # the backward's end waited (the wait is timed) only for overlapped all-reduces of replicas this rank holds,
+        # and for the overlapped reduces of shadow copies (every rank takes part in those)
         waited = rt.take_sync_wait()
         assert (waited > 0) == (replicated and rt.overlap_sync), (step, waited, replicated)
+        waited = rt.take_shadow_wait()
+        assert (waited > 0) == (bool(rt.shadowed) and rt.overlap_sync), (step, waited, rt.shadowed)
         moves, shadow = _random_changes(rt, rng, step)
         kinds.update(m.kind for m in moves)
         apply_placement([(rt, moves, moved.experts)], opt_mov)
         rt.set_shadowed(shadow)
+        group_cache().ensure(rt.needed_groups())     # the shadows' own group, as the policies make it
         shadowed_steps += bool(shadow)
     assert kinds == {"expand", "shrink", "migrate"}, kinds
     assert shadowed_steps > 0

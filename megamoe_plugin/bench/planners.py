@@ -8,7 +8,8 @@ A real-text MoE LM whose routing skews on its own (the embedded corpus, 16 exper
 - ``capacity``: static with a capacity factor (DeepSpeed-style drop and pad, ``--capacity-factor``);
 - ``shadow``: FasterMoE dynamic shadowing, its broadcasts prefetched after the optimizer step (hidden behind the
   next batch and the layers below); ``shadow_sync``: the same with the broadcasts in the layer's forward (what the
-  prefetch hides is the difference); ``flexmoe``: FlexMoE vExperts; ``flexmoe_overlap``: the same with the
+  prefetch hides is the difference); ``shadow_overlap``: the same with the copies' gradient reduces behind the
+  backward of the layers below (``--moe-placement-overlap-sync``); ``flexmoe``: FlexMoE vExperts; ``flexmoe_overlap``: the same with the
   replicas' gradient all-reduces behind the backward (``--moe-placement-overlap-sync``); ``eplb``: DeepSeek's
   EPLB (one spare slot per rank, like FlexMoE); all with the default cost model (the start-up calibration of this cluster,
   ``--moe-placement-profile auto``);
@@ -16,6 +17,10 @@ A real-text MoE LM whose routing skews on its own (the embedded corpus, 16 exper
   verdicts cost or save;
 - ``idle``: FlexMoE's data path (placement runtime, one spare slot per rank, per-step counts) with the policy never
   run (interval beyond the run): what having placement on costs before it decides anything.
+
+The runs with replicas (``flexmoe``, ``flexmoe_overlap``, ``eplb``, ``idle``) also run as ``<run>_spare<N>``: with N
+spare slots per rank instead of their default one (``--moe-placement-spare-slots``), to compare planners at equal
+spare slots or to see what more replicas buy.
 
 Every rank is a fixed-speed device by default (``--cpu-share auto``: its own CPU cgroup capped at 0.9 x cores /
 ranks), so a loaded rank cannot borrow the cores its idle peers leave; ``--batch-size`` sets the tokens per rank per
@@ -38,6 +43,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import time
 from typing import Dict, List, Optional
@@ -46,9 +52,10 @@ from ..cluster import netns
 from ..cluster.launcher import run_job
 from .gates import time_to
 
-RUNS = ("static", "capacity", "shadow", "shadow_sync", "shadow_unguarded", "flexmoe", "flexmoe_overlap", "eplb",
+RUNS = ("static", "capacity", "shadow", "shadow_sync", "shadow_overlap", "shadow_unguarded", "flexmoe", "flexmoe_overlap", "eplb",
         "idle")
 DIAGNOSTIC_RUNS = ("shadow_unguarded", "idle")          # run only when asked: they explain the others' numbers
+REPLICA_RUNS = ("flexmoe", "flexmoe_overlap", "eplb", "idle")   # these also run as <run>_spare<N>: N spare slots
 SKEWED = ["--moe-gate", "switch", "--moe-top-k", "1", "--moe-aux-loss-coeff", "0"]
 BALANCED = ["--moe-gate", "gshard", "--moe-top-k", "2", "--moe-second-expert-policy", "all",
             "--moe-aux-loss-coeff", "0.01"]
@@ -57,11 +64,31 @@ MODEL = ["--hidden", "256", "--layers", "4", "--heads", "4", "--ffn-hidden", "51
          "--corpus-bytes", "1000000", "--eval-batches", "8", "--seed", "0", "--moe-expert-parallel-size", "4"]
 
 
+def split_run(run: str):
+    """(one of RUNS, spare slots per rank or None) of a run name: ``flexmoe_overlap_spare2`` is flexmoe_overlap
+    with two spare slots per rank (the placements with replicas only); None for a name that is not a run."""
+    found = re.fullmatch(r"(.+)_spare(\d+)", run)
+    if found and found[1] in REPLICA_RUNS and int(found[2]) >= 1:
+        return found[1], int(found[2])
+    return (run, None) if run in RUNS else None
+
+
+def run_order(run: str):
+    base, spare = split_run(run)
+    return RUNS.index(base), spare or 0
+
+
 def run_flags(run: str, capacity_factor: float) -> List[str]:
-    """The ``megamoe train`` flags of one of RUNS."""
+    """The ``megamoe train`` flags of one of RUNS (or ``<run>_spare<N>``, ``split_run``)."""
+    base, spare = split_run(run)
+    return _base_flags(base, capacity_factor) + (["--moe-placement-spare-slots", str(spare)] if spare else [])
+
+
+def _base_flags(run: str, capacity_factor: float) -> List[str]:
     return {"static": [], "capacity": ["--moe-dispatch", "capacity", "--moe-capacity-factor", str(capacity_factor)],
             "shadow": ["--moe-placement", "shadow"],
             "shadow_sync": ["--moe-placement", "shadow", "--no-moe-placement-prefetch"],
+            "shadow_overlap": ["--moe-placement", "shadow", "--moe-placement-overlap-sync"],
             "shadow_unguarded": ["--moe-placement", "shadow", "--moe-placement-guard", "-1"],
             "flexmoe": ["--moe-placement", "flexmoe"],
             "flexmoe_overlap": ["--moe-placement", "flexmoe", "--moe-placement-overlap-sync"],
@@ -104,7 +131,6 @@ def _predicted_saving(placed: List[dict]) -> Optional[float]:
 
 def _profile_of(out: str) -> Optional[str]:
     """The calibrated profile a run's policy used (the path its rank-0 log names), None without one."""
-    import re
     try:
         with open(os.path.join(out, "logs", "rank0.log")) as f:
             text = f.read()
@@ -178,6 +204,7 @@ def read_run(run: str, out: str, batch_size: int, seed: int = 0) -> dict:
             "shadow_wait_s": _second_half_mean([p["shadow_wait_s"] for p in placed if "shadow_wait_s" in p]),
             "sync_wait_s": _second_half_mean([p["sync_wait_s"] for p in placed if "sync_wait_s" in p]),
             "sync_exposure": placed[-1].get("sync_exposure") if placed else None,
+            "shadow_exposure": placed[-1].get("shadow_exposure") if placed else None,
             "replicas_last": placed[-1].get("replicas", 0.0) if placed else 0.0,
             "bytes_moved_last": placed[-1].get("bytes_moved", 0.0) if placed else 0.0,
             "bytes_moved_total": max([p.get("bytes_moved_total", 0.0) for p in placed] + [0.0]),
@@ -226,7 +253,8 @@ def _predicted_vs_measured(rows: List[dict]) -> None:
 def main(argv: Optional[List[str]] = None) -> dict:
     p = argparse.ArgumentParser(prog="megamoe bench planners", description=__doc__.split("\n\n")[0])
     p.add_argument("--runs", default=",".join(r for r in RUNS if r not in DIAGNOSTIC_RUNS),
-                   help=f"comma list of {', '.join(RUNS)} (default: all but {', '.join(DIAGNOSTIC_RUNS)})")
+                   help=f"comma list of {', '.join(RUNS)} (default: all but {', '.join(DIAGNOSTIC_RUNS)}); "
+                        f"{', '.join(REPLICA_RUNS)} also as <run>_spare<N>: with N spare slots per rank")
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--capacity-factor", type=float, default=1.25)
     p.add_argument("--inter-node-bandwidth", default="100MB/s", help="one value or a comma list (a sweep)")
@@ -247,9 +275,6 @@ def main(argv: Optional[List[str]] = None) -> dict:
     args = p.parse_args(argv)
     if args.report_only:
         return report_only(args.out)
-    why = netns.unavailable()
-    if why:
-        raise SystemExit(f"megamoe bench planners: {why}")
     try:
         inters = [netns.parse_bandwidth(b) for b in args.inter_node_bandwidth.split(",")]
         batches = [int(b) for b in args.batch_size.split(",")]
@@ -259,9 +284,13 @@ def main(argv: Optional[List[str]] = None) -> dict:
     if args.rounds < 1 or min(batches) < 1:
         raise SystemExit("megamoe bench planners: --rounds and --batch-size must be >= 1")
     runs = args.runs.split(",")
-    unknown = [r for r in runs if r not in RUNS]
+    unknown = [r for r in runs if split_run(r) is None]
     if unknown:
-        raise SystemExit(f"megamoe bench planners: --runs {','.join(unknown)}: unknown; known: {','.join(RUNS)}")
+        raise SystemExit(f"megamoe bench planners: --runs {','.join(unknown)}: unknown; known: {','.join(RUNS)}, "
+                         f"and {'|'.join(REPLICA_RUNS)} with _spare<N> (N >= 1 spare slots per rank)")
+    why = netns.unavailable()
+    if why:
+        raise SystemExit(f"megamoe bench planners: {why}")
     intra = netns.parse_bandwidth(args.intra_node_bandwidth) if args.intra_node_bandwidth else None
     from ..cluster import cpu_caps
     shares = cpu_caps.bench_shares(args.cpu_share, 4, "megamoe bench planners")
@@ -318,7 +347,6 @@ def _finish_cell(per_run: Dict[str, list], runs: List[str]) -> List[dict]:
 def report_only(out: str) -> dict:
     """Summarise the run folders under ``out`` (``t<tokens>_bw<MB/s>_<routing>/round<k>/<run>``) without running
     anything; results.json is rewritten with this version's columns."""
-    import re
     old = {}
     if os.path.exists(os.path.join(out, "results.json")):
         with open(os.path.join(out, "results.json")) as f:
@@ -334,7 +362,8 @@ def report_only(out: str) -> dict:
         rounds = sorted(d for d in os.listdir(os.path.join(out, tag)) if d.startswith("round"))
         for rnd in rounds:
             done = []
-            for run in RUNS:
+            names = sorted((r for r in os.listdir(os.path.join(out, tag, rnd)) if split_run(r)), key=run_order)
+            for run in names:
                 d = os.path.join(out, tag, rnd, run)
                 if os.path.exists(os.path.join(d, "metrics.json")):
                     done.append(read_run(run, d, tokens // 64))
@@ -345,7 +374,7 @@ def report_only(out: str) -> dict:
                 r["target_loss"], r["time_to_target"] = target, time_to(r["evals"], target)
                 per_run.setdefault(r["run"], []).append(r)
         cells.append({"tokens_per_rank": tokens, "batch_size": tokens // 64, "inter_node_bandwidth": bw,
-                      "routing": label, "rows": _finish_cell(per_run, [r for r in RUNS if r in per_run])})
+                      "routing": label, "rows": _finish_cell(per_run, sorted(per_run, key=run_order))})
     first = cells[0]
     results = {"setup": dict(old, report_only=True), "cells": cells,
                "cluster": {c["routing"]: c["rows"] for c in cells
@@ -382,6 +411,11 @@ def format_results(results: dict) -> str:
                 lines.append(f"{'':>6} {'':>11} {c['routing']:<15} {r['run']}: the steps waited for "
                              f"{r['sync_exposure']:.0%} of the replicas' modelled all-reduce time (the backward hid "
                              f"the rest; {(r.get('sync_wait_s') or 0.0) * 1e3:.1f} ms per step waited, second half)")
+            if r.get("shadow_exposure") is not None and r["shadow_exposure"] < 1.0:
+                lines.append(f"{'':>6} {'':>11} {c['routing']:<15} {r['run']}: the steps waited for "
+                             f"{r['shadow_exposure']:.0%} of the shadows' modelled broadcast + reduce time (the "
+                             f"rest was hidden; {(r.get('shadow_wait_s') or 0.0) * 1e3:.1f} ms per step waited, "
+                             "second half)")
         bound = next((r["bound_speedup"] for r in c["rows"] if r.get("bound_speedup")), None)
         if bound:
             lines.append(f"{'':>6} {'':>11} {c['routing']:<15} balance bound: {bound:.2f}x of static's step "

@@ -15,7 +15,9 @@ Owns the per-layer cost model shared by the planners and simulators:
   ``sync_exposure`` is the share of T_Sync a step waits for: 1 when the all-reduces complete inside the layer's
   backward, less when they overlap the layers below (the placement policies set it from the measured waits);
 * shadowing, paper 003 §4.1 Eq.8: a shadowed expert's tokens stay on their source, its parameters are broadcast
-  and its gradients reduced (``shadow_layer_time``);
+  and its gradients reduced (``shadow_layer_time``); ``shadow_exposure`` is the share of that broadcast + reduce a
+  step waits for: 1 when both run inside the layer, less when they are prefetched between steps and reduced
+  behind the layers below (measured, as ``sync_exposure``);
 * expert moves, paper 001 §3.4 "Expert Adjustment Cost": size(model states) / Bw_{g,g'} (``move_time``).
 
 Units: seconds, bytes, FLOP/s; token counts are torch tensors of any dtype (fractions allowed).
@@ -96,6 +98,7 @@ class CostModel:
         self.shared_gemm_flops = float(shared_gemm_flops or 0.0)
         self.bcast = bcast          # (bytes/s, seconds) of one measured broadcast (or reduce) over all ranks
         self.sync_exposure = 1.0    # share of the replicas' all-reduce time the step waits for (module docstring)
+        self.shadow_exposure = 1.0  # share of the shadows' broadcast + reduce time the step waits for (likewise)
 
     def _per_rank(self, value, what) -> torch.Tensor:
         t = torch.as_tensor(value, dtype=torch.float64).reshape(-1)
@@ -234,20 +237,28 @@ class CostModel:
         rank_tokens = self._route(rest, m[keep]) + torch.diag(local)
         comp = 3.0 * self.compute_time(rank_tokens.sum(0))
         a2a = 4.0 * self.alltoall_time(rank_tokens)
-        sync = 0.0
+        sync = self.shadow_exposure * self.shadow_sync_time(shadowed, m)
+        # replicated (non-shadowed) experts still all-reduce their gradients
+        rest_m = m.clone()
+        rest_m[~keep] = 0.0
+        sync += self.sync_exposure * self.replica_sync_time(rest_m)
+        return Breakdown(comp, a2a, sync, comp + a2a + sync)
+
+    def shadow_sync_time(self, shadowed: Iterable[int], multiplicity: Optional[torch.Tensor] = None) -> float:
+        """Eq. 8's communication for ``shadowed`` experts, all of it (``shadow_exposure`` not applied): per expert a
+        broadcast of its parameters from its owner (its first rank in the [E, P] ``multiplicity``; None =
+        contiguous blocks) and a reduce of its gradients back."""
+        m = self.placement_matrix(None, self.shape.num_experts) if multiplicity is None else multiplicity
         p, s = self.num_ranks, self.shape.expert_param_bytes
-        for e in shadowed:
+        sync = 0.0
+        for e in sorted({int(e) for e in shadowed}):
             if self.bcast is not None:          # measured: the library's broadcast and reduce as they run
                 sync += 2.0 * (self.bcast[1] + s / self.bcast[0])
                 continue
             owner = int(m[e].nonzero()[0])
             chain = [(owner + k) % p for k in range(p)]
             sync += self.network.broadcast_time(s, chain) + self.network.reduce_time(s, chain)
-        # replicated (non-shadowed) experts still all-reduce their gradients
-        rest_m = m.clone()
-        rest_m[~keep] = 0.0
-        sync += self.sync_exposure * self.replica_sync_time(rest_m)
-        return Breakdown(comp, a2a, sync, comp + a2a + sync)
+        return sync
 
     def _counts(self, counts) -> torch.Tensor:
         c = torch.as_tensor(counts).to(torch.float64)

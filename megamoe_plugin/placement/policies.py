@@ -42,8 +42,10 @@ the busiest rank's rows)), ``replicas`` (vExperts beyond one per expert, shadow 
 moved the steps before the change for the routing's drift, ``PayoffGuard.check``), ``predicted_step_s`` (the cost model's MoE-layer time of one step with the last
 steps' mean counts under the placement they ran with, summed over layers), ``predicted_static_step_s`` (the same
 counts under static contiguous experts: the two give the model's predicted saving per step), ``shadow_wait_s``
-(seconds per step the forwards waited for the shadowed experts' prefetched copies: the part of their broadcasts not
-hidden behind other work; ``--moe-placement-prefetch``), ``sync_wait_s`` (seconds per step the backward passes' ends
+(seconds per step the forwards waited for the shadowed experts' prefetched copies, ``--moe-placement-prefetch``, plus
+the backward passes' ends for their overlapped gradient reduces, ``--moe-placement-overlap-sync``: the part of
+shadowing's communication not hidden behind other work) and ``shadow_exposure`` (with both on, that wait over the
+model's Eq. 8 broadcast + reduce time, the share the model now charges), ``sync_wait_s`` (seconds per step the backward passes' ends
 waited for the overlapped replica all-reduces, ``--moe-placement-overlap-sync``) and ``sync_exposure`` (that wait
 over the model's Eq. 9 time of the replicas that ran: the share of replica sync the model now charges, so
 1 - ``sync_exposure`` is the measured hidden fraction), ``measured_step_s`` (wall time per optimizer step since the previous run, the whole training step),
@@ -141,6 +143,8 @@ class _Policy:
         self._min_gain = MIN_PREDICTED_GAIN             # what the planners must predict at this run
         self.sync_exposure = 1.0                        # share of replica sync the steps wait for (measured)
         self._sync_waited = self._sync_predicted = 0.0  # its evidence: seconds per step, summed over runs
+        self.shadow_exposure = 1.0                      # share of the shadows' broadcast + reduce waited for
+        self._shadow_waited = self._shadow_predicted = 0.0
         self._cost_models: Dict[tuple, object] = {}
         self._planners: Dict[tuple, object] = {}
         self.metrics: Dict[str, float] = {}
@@ -163,6 +167,7 @@ class _Policy:
                                bytes_per_element=bank.w1.element_size())
             self._cost_models[key] = self.profile.cost_model(shape, world_size=num_ranks)
             self._cost_models[key].sync_exposure = self.sync_exposure
+            self._cost_models[key].shadow_exposure = self.shadow_exposure
         return key, self._cost_models[key]
 
     def _learn_sync_exposure(self, layers, sync_wait: Optional[float]) -> None:
@@ -187,6 +192,29 @@ class _Policy:
         self.sync_exposure = min(1.0, self._sync_waited / self._sync_predicted)
         for cm in self._cost_models.values():
             cm.sync_exposure = self.sync_exposure
+
+    def _learn_shadow_exposure(self, layers, shadow_wait: Optional[float]) -> None:
+        """With the shadows' broadcasts prefetched (``--moe-placement-prefetch``) and their gradient reduces
+        overlapped (``--moe-placement-overlap-sync``), every wait on them is timed: the share of Eq. 8's
+        communication the steps waited for is the seconds per step waited (the slowest rank's) over the cost
+        model's broadcast + reduce time of the experts the steps shadowed, summed over every run that shadowed.
+        Every cost model prices shadowing's communication at that share from then on (``CostModel.
+        shadow_exposure``); 1 until measured, and always where a part of it runs synchronously."""
+        if not (self.cfg.placement_overlap_sync and self.cfg.placement_prefetch) or shadow_wait is None:
+            return
+        predicted = 0.0
+        for layer in layers:
+            rt = layer.plan.placement
+            if rt.shadowed:
+                _, cm = self._cm(layer.experts_bank, rt.num_experts, rt.ep.size)
+                predicted += cm.shadow_sync_time(rt.shadowed, rt.state.multiplicity().to(torch.float64))
+        if predicted <= 0:
+            return
+        self._shadow_waited += shadow_wait
+        self._shadow_predicted += predicted
+        self.shadow_exposure = min(1.0, self._shadow_waited / self._shadow_predicted)
+        for cm in self._cost_models.values():
+            cm.shadow_exposure = self.shadow_exposure
 
     def decide(self, key, cm, rt, counts):
         raise NotImplementedError
@@ -307,9 +335,10 @@ class _Policy:
         # the slowest rank's: every decision taken from it (re-calibrating on drift) must be the same on every rank
         guarded = self.guard.enabled
         sync_wait = sum(m.plan.placement.take_sync_wait() for m in layers) / steps
-        measured, baseline, noise, sync_wait = job_max_many([
+        shadow_wait = sum(m.plan.placement.take_shadow_wait() for m in layers) / steps
+        measured, baseline, noise, sync_wait, shadow_wait = job_max_many([
             measured, self.guard.baseline(every) if guarded else None,
-            self.guard.step_noise() if guarded else None, sync_wait])
+            self.guard.step_noise() if guarded else None, sync_wait, shadow_wait])
         self.guard.job_noise = noise
         changes, rows, decisions = [], [], []
         before = [(m.plan.placement.state.copy(), tuple(m.plan.placement.shadowed)) for m in layers]
@@ -319,6 +348,7 @@ class _Policy:
         all_counts = gathered[0] if gathered else \
             [c / steps for c in gather_counts([m.plan.placement for m in layers])]             # one collective
         self._learn_sync_exposure(layers, sync_wait)
+        self._learn_shadow_exposure(layers, shadow_wait)
         self._min_gain = self._required_gain(layers, all_counts, every, baseline, noise)
         static_pred = 0.0
         for i, (layer, counts) in enumerate(zip(layers, all_counts)):
@@ -341,14 +371,17 @@ class _Policy:
         if layers:
             _agree(layers[0].plan.placement, decisions)               # one check for every layer's plan
         sent = apply_placement(changes, ctx.optimizer)
-        waited = sum(m.plan.placement.drop_prefetch() for m in layers)    # forwards' waits on the last prefetch
+        for m in layers:
+            m.plan.placement.drop_prefetch()          # the last prefetch's broadcasts, complete on every rank
         for rt, _, _, _, _, _, shadow in rows:
             if shadow is not None:
                 rt.set_shadowed(shadow)
-        if self.cfg.placement_prefetch and any(m.plan.placement.shadowed for m in layers):
+        if any(m.plan.placement.shadowed for m in layers) and (self.cfg.placement_prefetch
+                                                                 or self.cfg.placement_overlap_sync):
             group_cache().ensure([g for m in layers for g in m.plan.placement.needed_groups()])
-            for m in layers:
-                m.plan.placement.prefetch_shadows(m.experts_bank)
+            if self.cfg.placement_prefetch:
+                for m in layers:
+                    m.plan.placement.prefetch_shadows(m.experts_bank)
         changed = any(moves or (shadow is not None and set(shadow) != set(old[1]))
                       for (_, _, _, _, _, moves, shadow), old in zip(rows, before))
         self._back_off(changed or undo is not None, layers, every)
@@ -361,7 +394,8 @@ class _Policy:
         if rows:
             self.metrics["predicted_static_step_s"] = static_pred
             self.metrics.update(self.metrics_extra)
-            self.metrics["shadow_wait_s"] = waited / steps
+            self.metrics["shadow_wait_s"] = shadow_wait
+            self.metrics["shadow_exposure"] = self.shadow_exposure
             self.metrics["sync_wait_s"] = sync_wait
             self.metrics["sync_exposure"] = self.sync_exposure
         if self.drift is not None and self.drift.observe(measured, self.metrics.get("predicted_step_s", 0.0)):

@@ -180,32 +180,56 @@ class _ReplicaGradSync(torch.autograd.Function):
         return (None, None, *grads)
 
 
-def _add_other_replicas(params, pending, runtime) -> None:
-    """End of the backward pass: the overlapped all-reduces' sums, less this rank's own rows (already accumulated),
-    added into each parameter's gradient. The seconds spent waiting for them (the part of the all-reduces the layers
-    below did not hide) add up in ``runtime.sync_wait_s``."""
+def _grad_targets(params, what: str) -> List[torch.Tensor]:
+    """Each parameter's gradient at the end of the backward pass: ``.grad``, or Megatron's ``main_grad`` once its
+    accumulation hook has moved ``.grad`` there."""
     targets = []
     for p in params:
         g = p.grad if p.grad is not None else getattr(p, "main_grad", None)
         if g is None:
-            raise RuntimeError("overlapped replica gradient sync: a replicated expert's parameter has no gradient "
-                               "at the end of the backward pass (neither .grad nor main_grad)")
+            raise RuntimeError(f"overlapped {what}: an expert parameter has no gradient at the end of the backward "
+                               "pass (neither .grad nor main_grad)")
         targets.append(g)
+    return targets
+
+
+def _wait_all(pending) -> float:
+    """Wait for every pending collective (the last item of each entry); returns the seconds waited."""
     start = time.perf_counter()
-    for _, _, _, work in pending:
-        work.wait()
-    runtime.sync_wait_s += time.perf_counter() - start
+    for entry in pending:
+        entry[-1].wait()
+    return time.perf_counter() - start
+
+
+def _add_other_replicas(params, pending, runtime) -> None:
+    """End of the backward pass: the overlapped all-reduces' sums, less this rank's own rows (already accumulated),
+    added into each parameter's gradient. The seconds spent waiting for them (the part of the all-reduces the layers
+    below did not hide) add up in ``runtime.sync_wait_s``."""
+    targets = _grad_targets(params, "replica gradient sync")
+    runtime.sync_wait_s += _wait_all(pending)
     for slot, local, total, _ in pending:
         _write_row(total - local, targets, slot, add=True)
 
 
+def _add_shadow_gradients(params, pending, runtime) -> None:
+    """End of the backward pass: the overlapped reduces of the shadow copies' gradients, added by each owner into
+    its expert's row. The seconds waited add up in ``runtime.shadow_reduce_wait_s``."""
+    targets = _grad_targets(params, "shadow gradient reduce")
+    runtime.shadow_reduce_wait_s += _wait_all(pending)
+    for mine, slot, flat, _ in pending:
+        if mine:
+            _write_row(flat, targets, slot, add=True)
+
+
 class _ShadowCopies(torch.autograd.Function):
     """[K, ...] copies of the shadowed experts' rows, broadcast from their owners; backward reduces the copies'
-    gradients to the owners' rows."""
+    gradients to the owners' rows: inside this layer's backward, or, with ``overlap`` = (runtime, group, params),
+    launched asynchronously on the shadow group so the layers below run their backward meanwhile, and added to the
+    owners' gradients at the end of the backward pass (as ``_ReplicaGradSync`` does for replicas)."""
 
     @staticmethod
     def forward(ctx, spec, prefetched, *weights):
-        entries, group, me = spec                    # entries: (owner ep rank, owner global rank, owner slot)
+        entries, group, me, overlap = spec           # entries: (owner ep rank, owner global rank, owner slot)
         ctx.spec, ctx.meta = spec, [(w.shape, w.dtype, w.device) for w in weights]
         outs = [w.new_empty((len(entries),) + tuple(w.shape[1:])) for w in weights]
         for j, (owner, owner_global, slot) in enumerate(entries):
@@ -219,9 +243,19 @@ class _ShadowCopies(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
-        entries, group, me = ctx.spec
+        entries, group, me, overlap = ctx.spec
         grads = [torch.zeros((len(entries),) + tuple(s[1:]), dtype=d, device=dev) if g is None else g.contiguous()
                  for g, (s, d, dev) in zip(grads, ctx.meta)]
+        if overlap is not None:
+            runtime, reduce_group, params = overlap
+            pending = []
+            for j, (owner, owner_global, slot) in enumerate(entries):      # the same order on every rank
+                flat = _row(grads, j)
+                pending.append((me == owner, slot, flat,
+                                dist.reduce(flat, dst=owner_global, group=reduce_group, async_op=True)))
+            torch.autograd.Variable._execution_engine.queue_callback(
+                lambda: _add_shadow_gradients(params, pending, runtime))
+            return (None, None, *[None] * len(grads))
         out = [torch.zeros(s, dtype=d, device=dev) for s, d, dev in ctx.meta]
         for j, (owner, owner_global, slot) in enumerate(entries):
             flat = _row(grads, j)
@@ -277,6 +311,7 @@ class PlacementRuntime:
         self.ep, self.edp_group = ep, edp_group
         self.overlap_sync = bool(overlap_sync)               # replicas' gradient all-reduces behind the backward
         self.sync_wait_s = 0.0                               # seconds the backward's end waited for them, so far
+        self.shadow_reduce_wait_s = 0.0                      # and for the shadow copies' overlapped reduces
         self.num_experts, self.slots_per_rank = int(num_experts), int(slots_per_rank)
         self.state = PlacementState(num_experts, ep.size, slots_per_rank, max_replicas_per_rank=1)
         self.shadowed: List[int] = []
@@ -388,6 +423,7 @@ class PlacementRuntime:
         """[w1, w2, b1, b2] of the slots this step computes: replica-synchronised, plus shadow copies."""
         raw = [bank.w1, bank.w2, bank.b1, bank.b2]
         present = [w for w in raw if w is not None]
+        params = list(present)
         if self._sync_plan_keys and torch.is_grad_enabled():
             plan = [(slot, self.ep.group if whole else self.cache.get(ranks))
                     for slot, ranks, whole in self._sync_plan_keys]
@@ -397,10 +433,26 @@ class PlacementRuntime:
             if pre is not None and not pre.valid_for(self._shadow_entries, present):
                 pre.finish()
                 pre = self._prefetch = None
-            copies = _ShadowCopies.apply((self._shadow_entries, self.ep.group, self.ep.rank), pre, *present)
+            overlap = None
+            group = self._shadow_group() if self.overlap_sync and torch.is_grad_enabled() else None
+            if group is not None:
+                overlap = (self, group, params)
+            copies = _ShadowCopies.apply((self._shadow_entries, self.ep.group, self.ep.rank, overlap), pre,
+                                         *present)
             present = [torch.cat([w, c], 0) for w, c in zip(present, copies)]
         it = iter(present)
         return [None if w is None else next(it) for w in raw]
+
+    def _shadow_group(self):
+        """The expert-parallel group's own copy for the shadows' asynchronous collectives (so the layers'
+        all-to-alls do not queue behind them), or None where it has not been made (``GroupCache.ensure`` runs
+        between steps) or there is one rank."""
+        if self.ep.size < 2:
+            return None
+        try:
+            return self.cache.get(tuple(self.ep.global_ranks))
+        except PlacementError:
+            return None
 
     # --- between steps -----------------------------------------------------------------------------------------
     def prefetch_shadows(self, bank) -> int:
@@ -451,6 +503,14 @@ class PlacementRuntime:
         """Seconds the ends of the backward passes waited for the overlapped replica all-reduces since the last
         call (0 without ``overlap_sync``)."""
         w, self.sync_wait_s = self.sync_wait_s, 0.0
+        return w
+
+    def take_shadow_wait(self) -> float:
+        """Seconds this rank waited for the shadows' collectives since the last call: the forwards on the
+        prefetched broadcasts, and the ends of the backward passes on the overlapped gradient reduces."""
+        w, self.shadow_reduce_wait_s = self.shadow_reduce_wait_s, 0.0
+        if self._prefetch is not None:
+            w, self._prefetch.wait_s = w + self._prefetch.wait_s, 0.0
         return w
 
     @torch.no_grad()
