@@ -142,9 +142,9 @@ class _Policy:
         self.metrics_extra: Dict[str, float] = {}      # step_noise, required_gain of the last run
         self._min_gain = MIN_PREDICTED_GAIN             # what the planners must predict at this run
         self.sync_exposure = 1.0                        # share of replica sync the steps wait for (measured)
-        self._sync_waited = self._sync_predicted = 0.0  # its evidence: seconds per step, summed over runs
         self.shadow_exposure = 1.0                      # share of the shadows' broadcast + reduce waited for
-        self._shadow_waited = self._shadow_predicted = 0.0
+        # their evidence: [seconds per step waited, the model's seconds per step], summed over runs
+        self._exposure_evidence = {"sync_exposure": [0.0, 0.0], "shadow_exposure": [0.0, 0.0]}
         self._cost_models: Dict[tuple, object] = {}
         self._planners: Dict[tuple, object] = {}
         self.metrics: Dict[str, float] = {}
@@ -185,13 +185,7 @@ class _Policy:
             m[list(rt.shadowed)] = 0.0
             _, cm = self._cm(layer.experts_bank, rt.num_experts, rt.ep.size)
             predicted += cm.replica_sync_time(m)
-        if predicted <= 0:
-            return
-        self._sync_waited += sync_wait
-        self._sync_predicted += predicted
-        self.sync_exposure = min(1.0, self._sync_waited / self._sync_predicted)
-        for cm in self._cost_models.values():
-            cm.sync_exposure = self.sync_exposure
+        self._record_exposure("sync_exposure", sync_wait, predicted)
 
     def _learn_shadow_exposure(self, layers, shadow_wait: Optional[float]) -> None:
         """With the shadows' broadcasts prefetched (``--moe-placement-prefetch``) and their gradient reduces
@@ -208,13 +202,20 @@ class _Policy:
             if rt.shadowed:
                 _, cm = self._cm(layer.experts_bank, rt.num_experts, rt.ep.size)
                 predicted += cm.shadow_sync_time(rt.shadowed, rt.state.multiplicity().to(torch.float64))
+        self._record_exposure("shadow_exposure", shadow_wait, predicted)
+
+    def _record_exposure(self, name: str, waited: float, predicted: float) -> None:
+        """Add one run's evidence to exposure ``name`` (cumulative waited over cumulative modelled, at most 1) and
+        set it on every cost model; a run with nothing modelled is no evidence."""
         if predicted <= 0:
             return
-        self._shadow_waited += shadow_wait
-        self._shadow_predicted += predicted
-        self.shadow_exposure = min(1.0, self._shadow_waited / self._shadow_predicted)
+        evidence = self._exposure_evidence[name]
+        evidence[0] += waited
+        evidence[1] += predicted
+        value = min(1.0, evidence[0] / evidence[1])
+        setattr(self, name, value)
         for cm in self._cost_models.values():
-            cm.shadow_exposure = self.shadow_exposure
+            setattr(cm, name, value)
 
     def decide(self, key, cm, rt, counts):
         raise NotImplementedError
