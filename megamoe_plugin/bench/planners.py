@@ -9,10 +9,10 @@ A real-text MoE LM whose routing skews on its own (the embedded corpus, 16 exper
 - ``shadow``: FasterMoE dynamic shadowing, its broadcasts prefetched after the optimizer step (hidden behind the
   next batch and the layers below); ``shadow_sync``: the same with the broadcasts in the layer's forward (what the
   prefetch hides is the difference); ``shadow_overlap``: the same with the copies' gradient reduces behind the
-  backward of the layers below (``--moe-placement-overlap-sync``); ``flexmoe``: FlexMoE vExperts; ``flexmoe_overlap``: the same with the
-  replicas' gradient all-reduces behind the backward (``--moe-placement-overlap-sync``); ``eplb``: DeepSeek's
-  EPLB (one spare slot per rank, like FlexMoE); all with the default cost model (the start-up calibration of this cluster,
-  ``--moe-placement-profile auto``);
+  backward of the layers below (``--moe-placement-overlap-sync``); ``flexmoe``: FlexMoE vExperts;
+  ``flexmoe_overlap``: the same with the replicas' gradient all-reduces behind the backward
+  (``--moe-placement-overlap-sync``); ``eplb``: DeepSeek's EPLB (one spare slot per rank, like FlexMoE); all with
+  the default cost model (the start-up calibration of this cluster, ``--moe-placement-profile auto``);
 - ``shadow_unguarded``: shadowing with the pay-off guard off (``--moe-placement-guard -1``): what the guard's
   verdicts cost or save;
 - ``idle``: FlexMoE's data path (placement runtime, one spare slot per rank, per-step counts) with the policy never
@@ -52,8 +52,8 @@ from ..cluster import netns
 from ..cluster.launcher import run_job
 from .gates import time_to
 
-RUNS = ("static", "capacity", "shadow", "shadow_sync", "shadow_overlap", "shadow_unguarded", "flexmoe", "flexmoe_overlap", "eplb",
-        "idle")
+RUNS = ("static", "capacity", "shadow", "shadow_sync", "shadow_overlap", "shadow_unguarded", "flexmoe",
+        "flexmoe_overlap", "eplb", "idle")
 DIAGNOSTIC_RUNS = ("shadow_unguarded", "idle")          # run only when asked: they explain the others' numbers
 REPLICA_RUNS = ("flexmoe", "flexmoe_overlap", "eplb", "idle")   # these also run as <run>_spare<N>: N spare slots
 SKEWED = ["--moe-gate", "switch", "--moe-top-k", "1", "--moe-aux-loss-coeff", "0"]

@@ -45,8 +45,8 @@ counts under static contiguous experts: the two give the model's predicted savin
 (seconds per step the forwards waited for the shadowed experts' prefetched copies, ``--moe-placement-prefetch``, plus
 the backward passes' ends for their overlapped gradient reduces, ``--moe-placement-overlap-sync``: the part of
 shadowing's communication not hidden behind other work) and ``shadow_exposure`` (with both on, that wait over the
-model's Eq. 8 broadcast + reduce time, the share the model now charges), ``sync_wait_s`` (seconds per step the backward passes' ends
-waited for the overlapped replica all-reduces, ``--moe-placement-overlap-sync``) and ``sync_exposure`` (that wait
+model's Eq. 8 broadcast + reduce time, the share the model now charges), ``sync_wait_s`` (seconds per step the
+backward passes' ends waited for the overlapped replica all-reduces, ``--moe-placement-overlap-sync``) and ``sync_exposure`` (that wait
 over the model's Eq. 9 time of the replicas that ran: the share of replica sync the model now charges, so
 1 - ``sync_exposure`` is the measured hidden fraction), ``measured_step_s`` (wall time per optimizer step since the previous run, the whole training step),
 ``step_noise`` (the relative spread of a step under the original placement from one step to the next, the
