@@ -18,12 +18,38 @@ def test_tiny_benchmark_prints_every_implementation(capsys):
     for name in ("expert floor", "argsort + loop", "ours dropless", "ours dropless, BLAS GEMMs", "ours capacity CF=1", "ours capacity CF=2",
                  "megatron-core MoELayer", "gshard einsum CF=1", "gshard einsum CF=2", "dense MLP (same FLOPs)"):
         assert name in impls and name in out
-    assert all(r["time"] > 0 for r in rows)
+    assert all(r["time"] > 0 for r in rows) and all(r["faults"] >= 0 for r in rows)
+    assert "page faults / step" in out
     assert "floor ratio" in out and "vs megatron" in out
     c = bench.CONFIGS["tiny"]
     C = math.ceil(1.0 * c["T"] * c["k"] / c["E"])
     gshard = next(r for r in rows if r["impl"] == "gshard einsum CF=1")
     assert gshard["bytes"] == 2 * c["T"] * c["E"] * C * 4 + 2 * c["E"] * C * c["H"] * 4
+
+
+def test_interleaved_timer_counts_the_page_faults_of_fresh_buffers():
+    """A call that maps and touches 16 MiB of fresh anonymous memory faults once per page (4,096 times at 4 KiB);
+    one that rewrites a buffer it already holds faults not at all."""
+    import mmap
+    size = 16 << 20
+    held = torch.ones(size // 4)
+    page = b"x" * mmap.PAGESIZE
+
+    def fresh():
+        m = mmap.mmap(-1, size)
+        for _ in range(size // mmap.PAGESIZE):
+            m.write(page)
+        m.close()
+
+    def reused():
+        held.add_(1.0)
+
+    faults = {}
+    times = bench.time_interleaved({"fresh": fresh, "reused": reused}, 3, faults=faults)
+    assert set(times) == {"fresh", "reused"} == set(faults)
+    pages = size / mmap.PAGESIZE
+    assert faults["fresh"] >= 0.9 * pages
+    assert faults["reused"] < 0.1 * pages
 
 
 @pytest.mark.parametrize("onednn", [False, True], ids=["blas", "onednn"])

@@ -25,7 +25,9 @@ Routing: ``balanced`` draws each token's k preferred experts uniformly, ``skewed
 inputs are noise plus the preferred experts' router directions, so the router (a real softmax top-k over
 x @ Wg^T) sends the tokens where the draw says. Times are medians over ``--repeat`` rounds after a warm-up, each
 round running every implementation once (a shared machine's slow phases then hit all alike);
-dispatch-buffer bytes are analytic (the token buffers and masks each implementation allocates to move tokens to
+"page faults / step" is the median of each implementation's minor page faults per call (getrusage): a
+step that gets fresh pages from the kernel for its buffers pays for each 4 KiB page, which the preallocated floor
+never does; dispatch-buffer bytes are analytic (the token buffers and masks each implementation allocates to move tokens to
 experts, not counting the expert activations every implementation shares).
 """
 from __future__ import annotations
@@ -35,6 +37,11 @@ import math
 import statistics
 import time
 from typing import Callable, Dict, List, Optional
+
+try:
+    import resource
+except ImportError:          # not on Windows
+    resource = None
 
 import torch
 import torch.nn.functional as F
@@ -243,23 +250,34 @@ def timeit(fn: Callable[[], None], repeat: int) -> float:
     return time_interleaved({"f": fn}, repeat)["f"]
 
 
-def time_interleaved(fns: Dict[str, Callable[[], None]], repeat: int, progress=None, what: str = ""
-                     ) -> Dict[str, float]:
+def _minor_faults() -> int:
+    """Minor page faults of this process so far (0 where getrusage is missing): a step that takes fresh pages
+    from the kernel for its buffers pays one fault per 4 KiB page, about 0.1-0.2 s per GiB on these machines."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt if resource is not None else 0
+
+
+def time_interleaved(fns: Dict[str, Callable[[], None]], repeat: int, progress=None, what: str = "",
+                     faults: Optional[Dict[str, float]] = None) -> Dict[str, float]:
     """Median time of each callable; rounds run every implementation once, so a slow phase of a shared
     machine hits all of them alike instead of one. ``progress`` (a progress.Progress) steps once per round,
-    the warm-up included."""
+    the warm-up included. ``faults``: filled with the median minor page faults of each callable's call."""
     for fn in fns.values():
         fn()
     if progress is not None:
         progress.step(f"{what} warm-up")
     times = {name: [] for name in fns}
+    paged = {name: [] for name in fns}
     for r in range(repeat):
         for name, fn in fns.items():
+            f0 = _minor_faults()
             t = time.perf_counter()
             fn()
             times[name].append(time.perf_counter() - t)
+            paged[name].append(_minor_faults() - f0)
         if progress is not None:
             progress.step(f"{what} round {r + 1}/{repeat}")
+    if faults is not None:
+        faults.update({name: statistics.median(v) for name, v in paged.items()})
     return {name: statistics.median(ts) for name, ts in times.items()}
 
 
@@ -305,18 +323,21 @@ def run_config(name: str, routing: str, repeat: int, skip_gshard: bool = False, 
     impls["dense MLP (same FLOPs)"] = (step, 0)
     for part, fn in parts(x, wg, w1, w2, k).items():
         impls[part] = (fn, 0)
-    times = time_interleaved({n: f for n, (f, _) in impls.items()}, repeat, progress, f"config {name} {routing}")
+    faults: Dict[str, float] = {}
+    times = time_interleaved({n: f for n, (f, _) in impls.items()}, repeat, progress, f"config {name} {routing}",
+                             faults)
     skew = max(counts) / (sum(counts) / len(counts))
-    rows = [dict(config=name, routing=routing, impl=n, time=times[n], bytes=b, note="", max_over_mean=skew)
-            for n, (_, b) in impls.items()]
-    rows += [dict(config=name, routing=routing, impl=n, time=float("nan"), bytes=0, note=v, max_over_mean=skew)
-             for n, v in notes.items()]
+    rows = [dict(config=name, routing=routing, impl=n, time=times[n], bytes=b, note="", max_over_mean=skew,
+                 faults=faults[n]) for n, (_, b) in impls.items()]
+    rows += [dict(config=name, routing=routing, impl=n, time=float("nan"), bytes=0, note=v, max_over_mean=skew,
+                  faults=float("nan")) for n, v in notes.items()]
     return rows
 
 
 def format_table(rows: List[dict]) -> str:
-    out = ["| config | routing | implementation | time (ms) | / expert floor | / argsort + loop | megatron / this | dispatch buffers |",
-           "|---|---|---|---:|---:|---:|---:|---:|"]
+    out = ["| config | routing | implementation | time (ms) | / expert floor | / argsort + loop | megatron / this | "
+           "dispatch buffers | page faults / step |",
+           "|---|---|---|---:|---:|---:|---:|---:|---:|"]
     for (cfg, routing) in dict.fromkeys((r["config"], r["routing"]) for r in rows):
         group = [r for r in rows if r["config"] == cfg and r["routing"] == routing]
         floor = min(r["time"] for r in group if r["impl"].startswith("expert floor"))
@@ -329,9 +350,13 @@ def format_table(rows: List[dict]) -> str:
             size = "-" if not b else (f"{b / 2**20:.1f} MiB" if b < 2**30 else f"{b / 2**30:.2f} GiB")
             out.append(f"| {label} | {routing} (max/mean {r['max_over_mean']:.2f}) | {r['impl']} | "
                        f"{r['time'] * 1e3:.1f} | {r['time'] / floor:.3f} | {r['time'] / loop:.3f} | "
-                       f"{meg / r['time']:.3f} | {size} |"
+                       f"{meg / r['time']:.3f} | {size} | {_count(r.get('faults'))} |"
                        + (f" {r['note']}" if r["note"] else ""))
     return "\n".join(out)
+
+
+def _count(n: Optional[float]) -> str:
+    return "-" if n is None or math.isnan(n) else f"{n:,.0f}"
 
 
 def targets(rows: List[dict]) -> List[str]:
