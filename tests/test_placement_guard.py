@@ -217,6 +217,38 @@ def test_one_slow_window_undoes_the_last_change_only():
     assert rt.state.copy().apply(moves) == first
 
 
+def test_a_placement_restored_by_an_undo_is_watched_on_its_own_steps():
+    """A first change pays for 12 steps (0.9 s against 1.0), a second is undone (1.0 s, not behind: the median since
+    leaving is 0.9), and the restored first change now runs 1.1 s on the routing of today. Judged with its old good
+    steps the median since leaving would stay at 0.95 for another 12 steps; judged on its own steps, two windows
+    of 1.1 s send the policy back to the start."""
+    guard = PayoffGuard(margin=0.03)
+    rt, start = _changed_runtime()
+    _steps(guard, *[1.0] * 6)
+    guard.record(1.0, 0.0, 1, [rt], [start], [()])
+    for _ in range(12):
+        _steps(guard, 0.9)
+        assert guard.check(1) in (None, WAIT)
+    assert guard.kept == 1 and not guard.at_origin
+    first = rt.state.copy()
+    rt.state.expand(1, 3)
+    guard.record(0.9, 0.0, 1, [rt], [first], [()])
+    _steps(guard, 1.0, 1.0, 1.0)
+    undo = guard.check(1)
+    assert isinstance(undo, list) and guard.returned == 0 and not guard.at_origin
+    (_, moves, _), = undo
+    rt.state.apply(moves)
+    assert rt.state == first
+    verdicts = []
+    for _ in range(6):
+        _steps(guard, 1.1)
+        verdicts.append(guard.check(1))
+    assert verdicts[:5] == [None] * 5 and isinstance(verdicts[5], list)
+    assert guard.returned == 1 and guard.at_origin
+    (_, moves, _), = verdicts[5]
+    assert rt.state.copy().apply(moves) == start
+
+
 def test_no_change_before_the_reference_is_measured():
     guard = PayoffGuard(margin=0.03)                      # min_reference 6 steps under the original placement
     _steps(guard, 1.0, 1.0, 1.0, 1.0, 1.0)
