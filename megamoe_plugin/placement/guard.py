@@ -200,7 +200,7 @@ class PayoffGuard:
             return self._return_to_origin(counted=behind)
         # back to the placement before this change: the routing has moved since that placement was judged, so the
         # watch judges it afresh on its own steps, not on the steps of its earlier, better-suited, days
-        self.away, self.away_steps, self._next_watch = [], 0, 0
+        self._restart_watch(at_origin=False)
         return self._undo(change.snapshots)
 
     def _behind(self, interval: int) -> bool:
@@ -236,8 +236,12 @@ class PayoffGuard:
             self.returned += 1
             if self.returned >= self.max_returns:
                 self.stopped = True
-        self.at_origin, self.away, self.away_steps, self._next_watch = True, [], 0, 0
+        self._restart_watch(at_origin=True)
         return self._undo(self.origin)
+
+    def _restart_watch(self, at_origin: bool) -> None:
+        """A new placement from here on: its steps alone feed the watch, at 2, 4, ... windows from now."""
+        self.at_origin, self.away, self.away_steps, self._next_watch = at_origin, [], 0, 0
 
     def _undo(self, snapshots):
         undo = []
@@ -320,6 +324,6 @@ class PayoffGuard:
             if self.origin is None:
                 self.origin = snapshots
             self.reference = job_max(statistics.median(self.origin_steps)) if self.origin_steps else before_s
-            self.at_origin, self.away, self.away_steps, self._next_watch = False, [], 0, 0
+            self._restart_watch(at_origin=False)
         self.pending = _Change(before_s, cost_s, len(self.steps), self.window(interval), snapshots, from_origin,
                                predicted_s, before_model_s)
