@@ -25,9 +25,9 @@ Routing: ``balanced`` draws each token's k preferred experts uniformly, ``skewed
 inputs are noise plus the preferred experts' router directions, so the router (a real softmax top-k over
 x @ Wg^T) sends the tokens where the draw says. Times are medians over ``--repeat`` rounds after a warm-up, each
 round running every implementation once (a shared machine's slow phases then hit all alike);
-"page faults / step" is the median of each implementation's minor page faults per call (getrusage): a
-step that gets fresh pages from the kernel for its buffers pays for each 4 KiB page, which the preallocated floor
-never does; dispatch-buffer bytes are analytic (the token buffers and masks each implementation allocates to move tokens to
+"page faults / step" is the median of each implementation's minor page faults per call (getrusage): a step that
+gets fresh pages from the kernel for its buffers pays for each 4 KiB page, which the preallocated floor never does;
+dispatch-buffer bytes are analytic (the token buffers and masks each implementation allocates to move tokens to
 experts, not counting the expert activations every implementation shares).
 """
 from __future__ import annotations

@@ -34,7 +34,8 @@ restarts that watch on the restored placement's own steps, at 2, 4, ... windows 
 older routing (measured at 512 tokens per rank and 25 MB/s: after an undo at step 30 the restored placement ran
 5-8% slower than static to the end of the run, and the watch, next due at twice the steps since leaving and
 judging a median full of that placement's earlier steps, never fired). After ``max_returns`` returns the policy
-stops for the rest of the run (``stopped``): on this run its cost model predicts gains it does not deliver, and each further try costs steps.
+stops for the rest of the run (``stopped``): on this run its cost model predicts gains it does not deliver, and
+each further try costs steps.
 
 A verdict can only see a gain larger than the steps' own spread: ``resolvable_gain`` is the smallest saving (a
 fraction of the step) that two window medians tell apart from noise, from the spread of the steps under the original
