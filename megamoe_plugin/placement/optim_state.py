@@ -27,9 +27,9 @@ from typing import Iterator, List, Optional, Tuple
 
 import torch
 
-__all__ = ["param_state_tensors", "slot_state_views", "check_optimizer_supported", "sharded_range"]
+__all__ = ["optimizer_levels", "param_state_tensors", "slot_state_views", "check_optimizer_supported", "sharded_range"]
 
-def _levels(optimizer) -> Iterator[object]:
+def optimizer_levels(optimizer) -> Iterator[object]:
     """The optimizer and every wrapper/inner optimizer below it, depth first through chains."""
     seen = set()
     stack = [optimizer]
@@ -51,7 +51,7 @@ def _levels(optimizer) -> Iterator[object]:
 
 def check_optimizer_supported(optimizer) -> None:
     """Raise a clear error for optimizers whose expert state cannot be moved row by row."""
-    for o in _levels(optimizer):
+    for o in optimizer_levels(optimizer):
         if _is_sharding(o) and getattr(getattr(o, "ddp_config", None), "overlap_param_gather", False):
             raise ValueError("megamoe-plugin placement: --overlap-param-gather leaves the model's parameters stale "
                              "until the next forward, when experts move; drop --overlap-param-gather to move experts")
@@ -85,7 +85,7 @@ def _is_sharding(level) -> bool:
 def sharded_range(optimizer, param) -> Optional[Tuple[object, int, int]]:
     """(the optimizer level, start, end) of ``param``'s flat elements that a sharding optimizer keeps on this rank;
     None when no sharding optimizer holds ``param``."""
-    for level in _levels(optimizer):
+    for level in optimizer_levels(optimizer):
         if _is_sharding(level) and param in getattr(level, "model_param_group_index_map", {}):
             r = level._get_model_param_range_map(param)["param"]
             return level, int(r.start), int(r.end)
@@ -124,7 +124,7 @@ def param_state_tensors(optimizer, param: torch.Tensor) -> List[torch.Tensor]:
         return []
     out: List[torch.Tensor] = []
     key = param
-    for level in _levels(optimizer):
+    for level in optimizer_levels(optimizer):
         master = _master_of(level, param)
         if master is not None and master.shape == param.shape:
             out.append(master)
