@@ -78,9 +78,10 @@ def baseline(cache):
 @pytest.fixture(scope="module")
 def flexmoe_run(cache, profile):
     """FlexMoE with the replicas' gradient all-reduces overlapped (completed into Megatron's main_grad at the end
-    of the backward pass); the synchronous default runs in Megatron-LM's own loop (test_megatron_lm)."""
-    losses, out = run(2, [*EP2, *COMMON, *_policy("flexmoe", profile), "--moe-plugin-placement-overlap-sync"],
-                      cache)
+    of the backward pass) and the moves' transfers behind the next iteration; the synchronous defaults run in
+    Megatron-LM's own loop (test_megatron_lm)."""
+    losses, out = run(2, [*EP2, *COMMON, *_policy("flexmoe", profile), "--moe-plugin-placement-overlap-sync",
+                          "--moe-plugin-placement-overlap-moves"], cache)
     return losses, out
 
 
@@ -117,8 +118,8 @@ def saved_after_moves(cache, profile, tmp_path_factory, flexmoe_run):
     assert live, full_out[-3000:]
     save_at = live[0]
     ck = str(tmp_path_factory.mktemp("ck") / "ck")
-    losses, out = run(2, [*EP2, *COMMON, *_policy("flexmoe", profile), "--save", ck, "--save-interval",
-                          str(save_at), "--exit-interval", str(save_at)], cache)
+    losses, out = run(2, [*EP2, *COMMON, *_policy("flexmoe", profile), "--moe-plugin-placement-overlap-moves",
+                          "--save", ck, "--save-interval", str(save_at), "--exit-interval", str(save_at)], cache)
     assert sorted(losses) == list(range(1, save_at + 1)) and "saved checkpoint" in out, out[-3000:]
     moves, replicas, _, _ = _placement_lines(out)[save_at]
     assert moves > 0 and replicas > 0, out[-3000:]    # the checkpoint is written from a moved, replicated placement
@@ -135,8 +136,9 @@ def saved_after_moves(cache, profile, tmp_path_factory, flexmoe_run):
 def test_checkpoint_after_moves_resumes_at_any_ep(nproc, layout, placement, saved_after_moves, flexmoe_run, cache,
                                                   profile):
     """Experts and their Adam state are saved by logical id (free slots not at all) and loaded into the placement
-    of the resuming run: the next steps are the uninterrupted run's (global batch 8 either way: one process takes
-    both ranks' micro-batches)."""
+    of the resuming run (the saving run moved experts behind the steps: the checkpoint waits for their
+    transfers): the next steps are the uninterrupted run's (global batch 8 either way: one process takes both
+    ranks' micro-batches)."""
     ck, save_at = saved_after_moves
     resumed, out = run(nproc, [*layout, *COMMON, *_policy(placement, profile), "--load", ck], cache)
     assert "loaded checkpoint" in out and sorted(resumed) == list(range(save_at + 1, ITERS + 1)), out[-3000:]
