@@ -196,10 +196,20 @@ def _routing_follows_algorithm3(rank, world):
             if e is not None:
                 assert int(slots.counts[q * W + i]) == int(want[e, q]), (q, i, e)
     assert int(slots.counts.sum()) == int(routing.counts.sum())
+    # what this rank receives per slot, computed from the gathered counts, is what the count exchange would say
+    from megamoe_plugin.dispatch.comm import exchange_counts
+    assert torch.equal(slots.recv_counts, exchange_counts(slots.counts, dist.group.WORLD))
     # every kept assignment of expert e went to a slot holding e
     kept = routing.masked_ids < rt.num_experts
     owner_of_slot = torch.tensor([e if e is not None else -1 for q in range(world) for e in rt.slot_experts(q)])
     assert torch.equal(owner_of_slot[slots.masked_ids[kept]], routing.masked_ids[kept])
+    # and with an expert shadowed beside the replicas (its tokens stay on their source)
+    rt.set_shadowed([3])
+    shadowed = rt.route_tokens(routing)
+    from_sources = shadowed.recv_counts.view(world, rt.width)
+    assert int(from_sources[rank, -1]) == int(routing.counts[3])          # my shadow slot: my own tokens only
+    assert int(from_sources[1 - rank, -1]) == 0
+    assert torch.equal(shadowed.recv_counts, exchange_counts(shadowed.counts, dist.group.WORLD))
 
 
 def test_routing_among_replicas_is_algorithm3():

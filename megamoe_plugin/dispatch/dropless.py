@@ -12,7 +12,8 @@ Host synchronisation: with one rank none (the counts stay a device tensor; every
 dropped ones sort last and the experts return zeros for them). With expert parallelism exactly one ``tolist`` of
 the send and receive counts: the all-to-all-v needs its split sizes on the host (as Megatron's dispatcher does).
 With dynamic placement the routing's ids are vExpert slots (``placement.runtime.SlotRouting``), P x W of them:
-the same code, the "experts" are slots.
+the same code, the "experts" are slots; a routing computed from every rank's counts (replicas) carries what this
+rank receives (``recv_counts``), and the count exchange is skipped.
 """
 from __future__ import annotations
 
@@ -56,7 +57,9 @@ class DroplessDispatcher:
             position = torch.empty(T * k, dtype=torch.long, device=x.device)
             position[order] = torch.arange(T * k, device=x.device)
             return expand_rows(x, order, k, position), routing.counts, _State(position.view(T, k), order=order)
-        recv = exchange_counts(routing.counts, self.ep.group)
+        recv = getattr(routing, "recv_counts", None)                  # known from every rank's counts, or
+        if recv is None:
+            recv = exchange_counts(routing.counts, self.ep.group)      # exchanged
         host = torch.cat([routing.counts, recv]).tolist()              # the one host sync of the layer
         send_counts, recv_counts = host[:E], host[E:]
         n = sum(send_counts)

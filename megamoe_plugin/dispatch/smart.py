@@ -276,7 +276,9 @@ class SmartDispatcher:
         E, P = routing.counts.numel(), self.ep.size    # experts, or vExpert slots (placement/runtime.py)
         El = E // P
         order = torch.argsort(routing.masked_ids, stable=True)
-        recv = exchange_counts(routing.counts, self.ep.group)
+        recv = getattr(routing, "recv_counts", None)                  # known (replicas), or exchanged
+        if recv is None:
+            recv = exchange_counts(routing.counts, self.ep.group)
         host = torch.cat([routing.counts, recv]).tolist()              # the one host sync of the layer
         send_counts, recv_counts = host[:E], host[E:]
         send_len = [sum(send_counts[r * El:(r + 1) * El]) for r in range(P)]

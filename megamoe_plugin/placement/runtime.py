@@ -51,6 +51,9 @@ class SlotRouting:
     weights: torch.Tensor          # [T, k] combine weights, unchanged
     masked_ids: torch.Tensor       # [T*k] global slot of every assignment, num_slots for dropped ones
     counts: torch.Tensor           # [num_slots] assignments this rank sends to each slot
+    # [P * W] assignments this rank receives from each source for each of its slots (source-major), when the
+    # routing was computed from every rank's counts (replicas): the dispatcher then skips its count exchange
+    recv_counts: Optional[torch.Tensor] = None
 
 
 # --- process groups of replica sets: an LRU cache, created collectively ---------------------------------------------
@@ -402,9 +405,16 @@ class PlacementRuntime:
         shadow = sorted(self._shadow_set)
         if shadow:
             routed[:, shadow] = 0
-        split = self.state.route(routed, integer=True)[me]                # [E, P] my tokens of e to rank q
-        for e in shadow:
-            split[e, me] = allc[me, e]
+        splits = self.state.route(routed, integer=True)                  # [P, E, P] source's tokens of e to q
+        src = torch.arange(P)
+        for e in shadow:                                                  # shadowed: every source keeps its own
+            splits[src, e, src] = allc[:, e]
+        split = splits[me]                                                # [E, P] my tokens of e to rank q
+        # what each source sends to each of my slots: the count exchange's answer, known here already
+        mine = self._slot_eq[:, me]                                       # [E] my global slot of e, or -1
+        held = (mine >= 0).nonzero().flatten()
+        recv = torch.zeros(P, self.width, dtype=torch.long)
+        recv[:, mine[held] - me * self.width] = splits[:, held, me].to(torch.long)
         n = int(allc[me].sum())
         order = torch.argsort(ids, stable=True)[:n]
         runs = split.reshape(-1).to(ids.device)
@@ -413,7 +423,8 @@ class PlacementRuntime:
         new_ids[order] = dest
         new_counts = torch.zeros(self.num_slots, dtype=counts.dtype, device=counts.device)
         new_counts.index_add_(0, slot_eq.clamp_min(0), runs.to(counts.dtype))
-        return SlotRouting(routing.expert_ids, routing.weights, new_ids, new_counts)
+        return SlotRouting(routing.expert_ids, routing.weights, new_ids, new_counts,
+                           recv.reshape(-1).to(device=counts.device, dtype=counts.dtype))
 
     def _accumulate(self, counts: torch.Tensor, dropped: torch.Tensor) -> None:
         if not torch.is_grad_enabled():
