@@ -11,7 +11,9 @@ expert-data-parallel gradient reduction still pairs equal slots):
   all-gathers the [P, E] counts of the call and computes FlexMoE Algorithm 3 (``PlacementState.route(integer=
   True)``, identical integers on every rank): this rank's tokens of expert e, in their sorted order, are cut into
   runs, one per replica, sized by its row. Shadowed experts' tokens stay on their source (FasterMoE). No loop
-  over tokens; one extra host sync per layer only while replicas exist.
+  over tokens; one extra host sync per layer only while replicas exist. The same integers say what every source
+  sends to each of this rank's slots (``SlotRouting.recv_counts``), so the all-gather replaces the dispatcher's
+  count exchange instead of adding to it.
 * **Replica gradients** (``_ReplicaGradSync``): an identity on the bank's weights whose backward all-reduces the
   rows of every replicated expert over the ranks holding it, in ascending logical expert id on every rank (no
   deadlock: the lowest pending expert's ranks are all ready for it, paper 001 §4). The groups come from
@@ -22,6 +24,7 @@ expert-data-parallel gradient reduction still pairs equal slots):
 * **Moves** (``execute``): Expand / Migrate send the expert's parameter rows AND the optimizer-state rows that go
   with them (Adam moments, fp32 master weights: ``optim_state.param_state_tensors``) point-to-point src -> dst,
   between optimizer steps; Shrink (and the source of a Migrate) zeroes the freed slot, with no communication.
+  With ``overlap_moves`` the transfers are only posted there and complete in the next step (moves.py).
 
 Checkpoints: ``logical_rows`` / ``slot_experts`` let the adapters save experts by logical id whatever the
 placement and load them into any placement and expert-parallel size (checkpoint.py).
