@@ -20,9 +20,9 @@ A real-text MoE LM whose routing skews on its own (the embedded corpus, 16 exper
 - ``idle``: FlexMoE's data path (placement runtime, one spare slot per rank, per-step counts) with the policy never
   run (interval beyond the run): what having placement on costs before it decides anything.
 
-The runs with replicas (``flexmoe``, ``flexmoe_overlap``, ``flexmoe_hidden``, ``eplb``, ``idle``) also run as ``<run>_spare<N>``: with N
-spare slots per rank instead of their default one (``--moe-placement-spare-slots``), to compare planners at equal
-spare slots or to see what more replicas buy.
+The runs with replicas (``flexmoe``, ``flexmoe_overlap``, ``flexmoe_hidden``, ``eplb``, ``idle``) also run as
+``<run>_spare<N>``: with N spare slots per rank instead of their default one (``--moe-placement-spare-slots``), to
+compare planners at equal spare slots or to see what more replicas buy.
 
 Every rank is a fixed-speed device by default (``--cpu-share auto``: its own CPU cgroup capped at 0.9 x cores /
 ranks), so a loaded rank cannot borrow the cores its idle peers leave; ``--batch-size`` sets the tokens per rank per
@@ -57,7 +57,8 @@ from .gates import time_to
 RUNS = ("static", "capacity", "shadow", "shadow_sync", "shadow_overlap", "shadow_unguarded", "flexmoe",
         "flexmoe_overlap", "flexmoe_hidden", "eplb", "idle")
 DIAGNOSTIC_RUNS = ("shadow_unguarded", "idle")          # run only when asked: they explain the others' numbers
-REPLICA_RUNS = ("flexmoe", "flexmoe_overlap", "flexmoe_hidden", "eplb", "idle")   # these also run as <run>_spare<N>: N spare slots
+# these also run as <run>_spare<N>: N spare slots per rank
+REPLICA_RUNS = ("flexmoe", "flexmoe_overlap", "flexmoe_hidden", "eplb", "idle")
 SKEWED = ["--moe-gate", "switch", "--moe-top-k", "1", "--moe-aux-loss-coeff", "0"]
 BALANCED = ["--moe-gate", "gshard", "--moe-top-k", "2", "--moe-second-expert-policy", "all",
             "--moe-aux-loss-coeff", "0.01"]
@@ -425,8 +426,8 @@ def format_results(results: dict) -> str:
             if r.get("moves") and r.get("move_wait_total_s"):
                 hidden = "" if r.get("move_exposure") in (None, 1.0) else \
                     f"; the steps waited for {r['move_exposure']:.0%} of their modelled transfer time"
-                lines.append(f"{'':>6} {'':>11} {c['routing']:<15} {r['run']}: {r['move_wait_total_s']:.2f} s spent on "
-                             f"the moves' transfers, slowest rank (blocking, or posting + waiting{hidden})")
+                lines.append(f"{'':>6} {'':>11} {c['routing']:<15} {r['run']}: {r['move_wait_total_s']:.2f} s "
+                             f"spent on the moves' transfers, slowest rank (blocking, or posting + waiting{hidden})")
         bound = next((r["bound_speedup"] for r in c["rows"] if r.get("bound_speedup")), None)
         if bound:
             lines.append(f"{'':>6} {'':>11} {c['routing']:<15} balance bound: {bound:.2f}x of static's step "

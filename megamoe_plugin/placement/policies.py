@@ -50,8 +50,9 @@ backward passes' ends waited for the overlapped replica all-reduces, ``--moe-pla
 over the model's Eq. 9 time of the replicas that ran: the share of replica sync the model now charges, so
 1 - ``sync_exposure`` is the measured hidden fraction), ``move_wait_s`` (the seconds the slowest rank spent on the
 previous run's moves: blocking on them, or with ``--moe-placement-overlap-moves`` posting them and waiting for them
-in the steps after; ``move_wait_total_s`` summed over the run) and ``move_exposure`` (with overlapped moves, that time over the model's transfer time of the
-same moves, summed over runs: the share of a move's transfer the planners now charge, 1 - it the hidden fraction),
+in the steps after; ``move_wait_total_s`` summed over the run) and ``move_exposure`` (with overlapped moves, that
+time over the model's transfer time of the same moves, summed over runs: the share of a move's transfer the
+planners now charge, 1 - it the hidden fraction),
 ``measured_step_s`` (wall time per optimizer step since the previous run, the whole training step),
 ``step_noise`` (the relative spread of a step under the original placement from one step to the next, the
 slowest rank's) and
