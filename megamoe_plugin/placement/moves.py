@@ -15,7 +15,7 @@ all-to-alls do not queue behind them), and completes them where they are needed:
 
 The sender snapshots its rows when the move is posted, so it may free or refill the slot at once. A batch whose
 moves read or overwrite a slot that an earlier move of the same batch receives into runs synchronously instead.
-The seconds spent posting and waiting are the moves' exposed time (``take_wait``): against the cost model's
+The seconds spent posting and waiting are the moves' exposed time (``PlacementRuntime.take_move_wait``): against the cost model's
 transfer time of the same moves it gives the hidden fraction the placement policies learn (``move_exposure``)."""
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-__all__ = ["MoveTransfer", "chained", "hook_optimizer", "finish_all"]
+__all__ = ["MoveTransfer", "chained", "hook_optimizer", "finish_all", "track", "untrack"]
 
 _PENDING: "weakref.WeakSet" = weakref.WeakSet()        # runtimes with transfers in flight, process-wide
 _HOOKED: "weakref.WeakSet" = weakref.WeakSet()         # optimizers whose step / state_dict finish them first
@@ -60,15 +60,15 @@ def chained(moves: Sequence) -> bool:
         touched = {(mv.src, mv.src_slot)} | ({(mv.dst, mv.dst_slot)} if mv.dst is not None else set())
         if touched & received:
             return True
-        if mv.kind != "shrink" and mv.dst is not None and mv.src != mv.dst:
+        if mv.sends_rows:
             received.add((mv.dst, mv.dst_slot))
     return False
 
 
 class MoveTransfer:
-    """One batch of moves in flight on this rank: sends of snapshots and receives into buffers, parameter rows
-    first. ``weights`` and ``state``: per move, the (send or receive) row tensors of each kind, in the order both
-    ends list them."""
+    """One batch of moves in flight on this rank: sends of snapshots and receives into buffers, each an entry
+    (work, buffer, target row or None for a send), parameter rows apart from optimizer-state rows; both ends post
+    them in the same order."""
 
     def __init__(self, group, peer_of):
         self.group, self._peer = group, peer_of
@@ -100,7 +100,8 @@ class MoveTransfer:
         self.wait_s += time.perf_counter() - start
 
     def wait_weights(self) -> None:
-        """The parameter rows received so far are in place (sends may still run)."""
+        """Every parameter-row transfer complete (sends too) and the received rows in place; the optimizer-state
+        rows may still be in flight."""
         self._complete(self._weights)
 
     def finish(self) -> None:

@@ -555,13 +555,13 @@ class PlacementRuntime:
         if transfer is not None:
             self._moves = transfer
             track(self)
-        if any(mv.kind != "shrink" and mv.src != mv.dst for mv in moves):
+        if any(mv.sends_rows for mv in moves):
             self.move_wait_s += time.perf_counter() - start
         return sent
 
     def _transfer_for(self, moves, optimizer) -> Optional[MoveTransfer]:
         """A ``MoveTransfer`` for this batch when it can run behind the next step, else None (run it now)."""
-        if not (self.overlap_moves and self.ep.size > 1 and any(mv.kind != "shrink" for mv in moves)):
+        if not (self.overlap_moves and self.ep.size > 1 and any(mv.sends_rows for mv in moves)):
             return None
         if chained(moves) or (optimizer is not None and not hook_optimizer(optimizer_levels(optimizer))):
             return None
@@ -574,7 +574,7 @@ class PlacementRuntime:
     def _send_now(self, moves, params, optimizer) -> int:
         me, sent = self.ep.rank, 0
         for mv in moves:
-            if mv.kind != "shrink" and mv.src != mv.dst:
+            if mv.sends_rows:
                 if me == mv.src:
                     for t in self._slot_tensors(params, optimizer, mv.src_slot):
                         dist.send(t.contiguous(), dst=self.ep.global_ranks[mv.dst], group=self.ep.group)
@@ -595,7 +595,7 @@ class PlacementRuntime:
         me = self.ep.rank
         for weights in (True, False):
             for mv in moves:
-                if mv.kind == "shrink" or mv.src == mv.dst or me not in (mv.src, mv.dst):
+                if not mv.sends_rows or me not in (mv.src, mv.dst):
                     continue
                 send = me == mv.src
                 slot = mv.src_slot if send else mv.dst_slot

@@ -85,6 +85,11 @@ class Move:
     nbytes: int = 0
 
     @property
+    def sends_rows(self) -> bool:
+        """Whether executing it sends the expert's rows from one rank to another (whatever ``nbytes`` says)."""
+        return self.kind != "shrink" and self.dst is not None and self.dst != self.src
+
+    @property
     def communicates(self) -> bool:
         return self.kind != "shrink" and self.dst is not None and self.dst != self.src and self.nbytes > 0
 
