@@ -249,6 +249,81 @@ def test_a_placement_restored_by_an_undo_is_watched_on_its_own_steps():
     assert rt.state.copy().apply(moves) == start
 
 
+def test_a_loss_within_the_verdicts_noise_waits_for_more_steps_instead_of_undoing():
+    """Steps that vary by 10% from one to the next: one 10-step window 5% slower than the 10 before is within the
+    margin (3%) plus one standard error of the two medians (1.25 x 0.1 x sqrt(1/10 + 1/10) = 5.6%), so the
+    change is neither kept nor undone; the policy waits, and the steps of the next window (faster) keep it. A
+    window 15% slower is beyond the noise and is undone at once; a change still 5% slower after three windows is
+    undone on the margin alone."""
+    def noisy_guard():
+        guard = PayoffGuard(margin=0.03)
+        guard.job_noise = 0.1
+        _steps(guard, *[1.0] * 10)
+        return guard
+
+    guard = noisy_guard()
+    rt, start = _changed_runtime()
+    guard.record(1.0, 0.0, 10, [rt], [start], [()])
+    _steps(guard, *[1.05] * 10)
+    assert guard.check(10) == WAIT and guard.undone == 0 and guard.kept == 0 and guard.inconclusive == 1
+    _steps(guard, *[0.95] * 11)                           # median of the 21 steps since: 0.95
+    assert guard.check(10) is None and guard.kept == 1 and guard.pending is None
+
+    lost = noisy_guard()
+    lost.record(1.0, 0.0, 10, [rt], [start], [()])
+    _steps(lost, *[1.15] * 10)
+    assert isinstance(lost.check(10), list) and lost.undone == 1 and lost.inconclusive == 0
+
+    slow = noisy_guard()
+    slow.record(1.0, 0.0, 10, [rt], [start], [()])
+    verdicts = []
+    for _ in range(3):
+        _steps(slow, *[1.05] * 10)
+        verdicts.append(slow.check(10))
+    assert verdicts[:2] == [WAIT, WAIT] and isinstance(verdicts[2], list) and slow.undone == 1
+
+    quiet = PayoffGuard(margin=0.03)                      # no noise measured: the margin alone, at once
+    _steps(quiet, *[1.0] * 10)
+    quiet.record(1.0, 0.0, 10, [rt], [start], [()])
+    _steps(quiet, *[1.05] * 10)
+    assert isinstance(quiet.check(10), list)
+
+
+def test_the_watch_judges_against_the_start_on_the_routing_of_now():
+    """Kept changes run 1.1 s a step against a reference of 1.0 s measured early, but the model prices the original
+    placement 0.15 s slower on the routing of now than on that of the reference's steps (the routing concentrated):
+    against 1.15 s the changes pay and the watch keeps them. Without the drift it sends the policy back."""
+    for drift, returned in ((lambda snaps: 0.65, 0), (None, 1)):
+        guard = PayoffGuard(margin=0.03)
+        rt, start = _changed_runtime()
+        _steps(guard, *[1.0] * 6)
+        guard.record(1.0, 0.0, 1, [rt], [start], [()], before_model_s=0.5)
+        _steps(guard, 0.98, 0.98, 0.98)
+        assert guard.check(1, drift=lambda snaps: 0.5) is None and guard.kept == 1
+        _steps(guard, *[1.1] * 9)                         # 12 steps away: the watch at 6 and 12
+        guard.check(1, drift=drift)
+        assert guard.returned == returned
+
+
+def test_a_watch_within_the_noise_looks_again_one_window_later():
+    """10% step noise, 6 reference steps: 10 steps since leaving at 1.06 s are above the margin but within one
+    standard error (1.25 x 0.1 x sqrt(1/10 + 1/6) = 6.5%); the watch looks again one window later rather than at
+    twice the steps, and from four windows away judges on the margin alone."""
+    guard = PayoffGuard(margin=0.03)
+    guard.job_noise = 0.1
+    rt, start = _changed_runtime()
+    _steps(guard, *[1.0] * 6)
+    guard.record(1.0, 0.0, 5, [rt], [start], [()])
+    _steps(guard, *[1.0] * 5)
+    assert guard.check(5) is None and guard.kept == 1      # the change's own window is within the margin
+    _steps(guard, *[1.12] * 5)                             # median of the 10 since leaving: 1.06
+    assert guard.check(5) is None and guard.inconclusive == 1 and guard._next_watch == 15
+    _steps(guard, *[1.06] * 5)                             # median 1.06, standard error 1.25 x 0.1 x sqrt(1/15 + 1/6)
+    assert guard.check(5) is None and guard.inconclusive == 2 and guard._next_watch == 20
+    _steps(guard, *[1.06] * 5)                             # 20 steps away = 4 windows: the margin decides
+    assert isinstance(guard.check(5), list) and guard.returned == 1
+
+
 def test_no_change_before_the_reference_is_measured():
     guard = PayoffGuard(margin=0.03)                      # min_reference 6 steps under the original placement
     _steps(guard, 1.0, 1.0, 1.0, 1.0, 1.0)
@@ -448,9 +523,12 @@ def test_the_verdicts_measure_how_much_of_its_predicted_savings_the_model_delive
     _steps(noisy, 1.0, 1.0, 1.0)
     noisy.record(1.0, cost_s=0.0, interval=3, runtimes=[rt], states=[before], shadows=[()], predicted_s=0.2)
     _steps(noisy, 1.1, 1.1, 1.1)
-    noisy.check(3)
-    # the verdict's standard error 1.25 x 0.1 x 1.0 s x sqrt(2 / 3) = 0.102 s: it counts -0.1 + 0.102
-    assert abs(noisy.realisation() - (-0.1 + 1.25 * 0.1 * (2 / 3) ** 0.5 + 0.2) / 0.4) < 1e-12
+    # 10% slower, but one window's standard error is 1.25 x 0.1 x 1.0 s x sqrt(1/3 + 1/3) = 0.102 s: not yet known
+    assert noisy.check(3) == WAIT and noisy.judged == 0 and noisy.inconclusive == 1
+    _steps(noisy, 1.1, 1.1, 1.1, 1.1, 1.1, 1.1)
+    assert isinstance(noisy.check(3), list)               # the third window decides on the margin alone
+    # the verdict on 9 steps after: standard error 1.25 x 0.1 x 1.0 s x sqrt(1/3 + 1/9); it counts -0.1 + that
+    assert abs(noisy.realisation() - (-0.1 + 1.25 * 0.1 * (1 / 3 + 1 / 9) ** 0.5 + 0.2) / 0.4) < 1e-12
     unpredicted = PayoffGuard(margin=0.03, min_reference=1)
     _steps(unpredicted, 1.0, 1.0, 1.0)
     unpredicted.record(1.0, cost_s=0.0, interval=3, runtimes=[rt], states=[before], shadows=[()])

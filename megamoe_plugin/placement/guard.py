@@ -72,6 +72,9 @@ __all__ = ["PayoffGuard", "WAIT", "job_max", "job_max_many"]
 WAIT = "wait"
 REFERENCE_STEPS = 64          # steps under the original placement the reference is the median of
 RESOLVE_SIGMAS = 2.0          # a change's predicted saving must exceed this many standard deviations of its verdict
+UNDO_SIGMAS = 1.0             # an early verdict undoes a loss only beyond the margin by this many standard errors
+VERDICT_WINDOWS = 3           # an inconclusive verdict on a change waits for up to this many windows after it
+SURE_WINDOWS = 4              # from this many windows away from the start the watch judges by the margin alone
 MIN_REALISATION = 0.05        # the lowest share of its predicted savings a model is trusted to deliver
 
 
@@ -102,6 +105,7 @@ class _Change:
     from_origin: bool = False                         # made from the original placement: undoing it returns there
     predicted_s: Optional[float] = None               # the saving per step its planner predicted
     before_model_s: Optional[float] = None            # the model's step of the old placement on the counts before
+    old_after_s: List[float] = field(default_factory=list)   # the model's step of the old placement, per window after
 
 
 class PayoffGuard:
@@ -116,6 +120,8 @@ class PayoffGuard:
         self.pending: Optional[_Change] = None
         self.strikes = self.pause = self.kept = self.undone = 0
         self.reference: Optional[float] = None         # the job's median step under the original placement
+        self.reference_n = 0                          # how many steps that median is of
+        self.reference_model_s: Optional[float] = None   # the model's step of the original placement back then
         self.origin: Optional[List[Tuple[object, PlacementState, Tuple[int, ...]]]] = None
         self.returned = 0                             # returns to the original placement
         self.stopped = False                          # max_returns reached: no more changes in this run
@@ -129,6 +135,7 @@ class PayoffGuard:
         self.judged = 0                               # verdicts with a prediction
         self.job_noise: Optional[float] = None        # the job's step_noise, as the policy last all-reduced it
         self.last_drift_s = 0.0                       # how far the last verdict moved the steps before (s)
+        self.inconclusive = 0                         # verdicts that waited for more steps instead of undoing
 
     @property
     def enabled(self) -> bool:
@@ -172,25 +179,34 @@ class PayoffGuard:
             return None
         change = self.pending
         if change is None:
-            return self._watch(interval)
+            return self._watch(interval, drift)
         after = self.steps[change.start:]
         if len(after) < change.window:
             return WAIT
-        self.pending = None
-        measured = job_max(statistics.median(after[:change.window]))
+        after = after[:VERDICT_WINDOWS * change.window]
+        measured = job_max(statistics.median(after)) + change.cost_s / len(after)
         before_s = change.before_s
         if drift is not None and change.before_model_s is not None:
             old_after = drift(change.snapshots)
             if old_after is not None:
-                before_s = max(before_s + old_after - change.before_model_s, 0.0)
+                change.old_after_s.append(old_after)
+            if change.old_after_s:                    # the old placement on the routing of every window judged
+                before_s = max(before_s + statistics.fmean(change.old_after_s) - change.before_model_s, 0.0)
+        final = len(after) >= VERDICT_WINDOWS * change.window
+        behind = self._behind(interval, drift)
+        lost = measured > before_s * (1.0 + self.margin)
+        if not behind and lost and not final and \
+                measured <= before_s * (1.0 + self.margin) + UNDO_SIGMAS * self.verdict_error(change, len(after)):
+            self.inconclusive += 1                    # within the noise: judge again on one more window
+            return WAIT
+        self.pending = None
         self.last_drift_s = before_s - change.before_s
         if change.predicted_s is not None and change.predicted_s > 0:
-            realised = before_s - (measured + change.cost_s / change.window)
+            realised = before_s - measured
             self.predicted_saved += change.predicted_s
-            self.realised_saved += min(change.predicted_s, realised + self.verdict_error(change))
+            self.realised_saved += min(change.predicted_s, realised + self.verdict_error(change, len(after)))
             self.judged += 1
-        behind = self._behind(interval)
-        if not behind and measured + change.cost_s / change.window <= before_s * (1.0 + self.margin):
+        if not behind and not lost:
             self.kept += 1
             self.strikes = 0
             return None
@@ -204,29 +220,50 @@ class PayoffGuard:
         self._restart_watch(at_origin=False)
         return self._undo(change.snapshots)
 
-    def _behind(self, interval: int) -> bool:
-        """Whether the steps since the placement left the original one are slower than the reference. Judged on
-        at least two windows of them: one window of a few steps is too noisy to send a policy back to its start
-        (on the emulated cluster the median of 3 steps moves by 10-15% between windows of the same placement).
-        Collective when judged (every rank has observed as many steps)."""
+    def _behind(self, interval: int, drift=None) -> bool:
+        """Whether the steps since the placement left the original one are slower than the reference (beyond the
+        noise, ``_against_reference``). Judged on at least two windows of them: one window of a few steps is too
+        noisy to send a policy back to its start (on the emulated cluster the median of 3 steps moves by 10-15%
+        between windows of the same placement). Collective when judged (every rank has observed as many steps)."""
         if self.at_origin or self.reference is None or len(self.away) < 2 * self.window(interval):
             return False
-        return self._slower_than_reference()
+        return self._against_reference(interval, drift) is True
 
-    def _slower_than_reference(self) -> bool:
-        """The job's median step since leaving the original placement is above the reference by the margin.
-        Collective."""
-        return job_max(statistics.median(self.away)) > self.reference * (1.0 + self.margin)
+    def _against_reference(self, interval: int, drift=None) -> Optional[bool]:
+        """The job's median step since leaving the original placement against the reference: True (slower by more
+        than the margin and, before ``SURE_WINDOWS`` windows away, by more than ``UNDO_SIGMAS`` standard errors of
+        the two medians beyond it), False (within the margin) or None (in between: not yet known). The reference
+        moves by the model's difference between the original placement on the routing of now and of then (the
+        routing concentrates early in training and every placement's steps slow down; without it the watch
+        judged a change's steps against steps of an easier routing). Collective."""
+        reference = self.reference
+        if drift is not None and self.reference_model_s is not None and self.origin is not None:
+            now = drift(self.origin)
+            if now is not None:
+                reference = max(reference + now - self.reference_model_s, 0.0)
+        away = job_max(statistics.median(self.away))
+        if away <= reference * (1.0 + self.margin):
+            return False
+        if self.away_steps >= SURE_WINDOWS * self.window(interval):
+            return True
+        error = 1.25 * (self.job_noise or 0.0) * reference * (1.0 / len(self.away) + 1.0 / max(self.reference_n, 1)) ** 0.5
+        return True if away > reference * (1.0 + self.margin) + UNDO_SIGMAS * error else None
 
-    def _watch(self, interval: int):
+    def _watch(self, interval: int, drift=None):
         """Away from the original placement with no change pending: at 2, 4, 8, ... windows since leaving it,
-        the median of the steps since then (up to the last 4 x REFERENCE_STEPS) against the reference."""
+        the median of the steps since then (up to the last 4 x REFERENCE_STEPS) against the reference; one window
+        later again when that was within the noise."""
         if self.at_origin or self.reference is None or self.origin is None:
             return None
         if self.away_steps < max(self._next_watch, 2 * self.window(interval)):
             return None
+        verdict = self._against_reference(interval, drift)
+        if verdict is None:
+            self.inconclusive += 1
+            self._next_watch = self.away_steps + self.window(interval)
+            return None
         self._next_watch = 2 * self.away_steps
-        if not self._slower_than_reference():
+        if not verdict:
             return None
         self.undone += 1
         self.pause = self.max_pause
@@ -280,10 +317,12 @@ class PayoffGuard:
             return 0.0
         return RESOLVE_SIGMAS * 1.25 * (2.0 ** 0.5) * noise / (2 * self.window(interval)) ** 0.5
 
-    def verdict_error(self, change: _Change) -> float:
-        """The standard error (s) of one verdict's measured saving: the difference of two window medians of steps
-        that vary by the job's ``step_noise`` (a median's standard error is about 1.25 x the mean's)."""
-        return 1.25 * (self.job_noise or 0.0) * change.before_s * (2.0 / change.window) ** 0.5
+    def verdict_error(self, change: _Change, after: Optional[int] = None) -> float:
+        """The standard error (s) of one verdict's measured saving: the difference of the median of the window
+        before the change and that of the ``after`` steps after it (one window by default), of steps that vary by
+        the job's ``step_noise`` (a median's standard error is about 1.25 x the mean's)."""
+        after = after or change.window
+        return 1.25 * (self.job_noise or 0.0) * change.before_s * (1.0 / change.window + 1.0 / after) ** 0.5
 
     def realisation(self) -> float:
         """The share of its predicted savings the model has delivered on this run (module docstring): 1 before any
@@ -325,6 +364,8 @@ class PayoffGuard:
             if self.origin is None:
                 self.origin = snapshots
             self.reference = job_max(statistics.median(self.origin_steps)) if self.origin_steps else before_s
+            self.reference_n = len(self.origin_steps) or 1
+            self.reference_model_s = before_model_s
             self._restart_watch(at_origin=False)
         self.pending = _Change(before_s, cost_s, len(self.steps), self.window(interval), snapshots, from_origin,
                                predicted_s, before_model_s)

@@ -37,7 +37,8 @@ steps' routing under the placement they ran with), ``balance_ratio_next`` (the s
 placement), ``token_efficiency`` (kept / routed assignments), ``expert_efficiency`` (useful expert rows / (P x
 the busiest rank's rows)), ``replicas`` (vExperts beyond one per expert, shadow copies included), ``shadowed``,
 ``moves``, ``bytes_moved`` (model-state bytes sent by the group's ranks), ``changes_kept`` / ``changes_undone``
-(the guard's verdicts so far; ``returned_to_start``: undos that went back to the original placement;
+(the guard's verdicts so far; ``verdicts_inconclusive``: verdicts that found a loss within the steps' noise and
+waited for more steps; ``returned_to_start``: undos that went back to the original placement;
 ``guard_stopped``: 1 once the guard stopped the policy for the run; ``verdict_drift_s``: how far the last verdict
 moved the steps before the change for the routing's drift, ``PayoffGuard.check``), ``predicted_step_s`` (the cost model's MoE-layer time of one step with the last
 steps' mean counts under the placement they ran with, summed over layers), ``predicted_static_step_s`` (the same
@@ -325,7 +326,8 @@ class _Policy:
         gathered = []                                # the counts, when the verdict's drift needed them first
 
         def old_placement_time(snapshots):
-            gathered.append([c / steps for c in gather_counts([m.plan.placement for m in layers])])
+            if not gathered:                         # one gather a run: it takes the layers' counts
+                gathered.append([c / steps for c in gather_counts([m.plan.placement for m in layers])])
             return self._placement_time(layers, gathered[0], [(state, shadow) for _, state, shadow in snapshots])
 
         verdict = self.guard.check(every, drift=old_placement_time if self.profile is not None else None)
@@ -466,6 +468,7 @@ class _Policy:
             "bytes_moved": float(group_bytes), "predicted_step_s": predicted,
             "calibrations": float(self.calibrations),
             "changes_kept": float(self.guard.kept), "changes_undone": float(self.guard.undone),
+            "verdicts_inconclusive": float(self.guard.inconclusive),
             "returned_to_start": float(self.guard.returned), "guard_stopped": float(self.guard.stopped),
             "verdict_drift_s": self.guard.last_drift_s,
         }
