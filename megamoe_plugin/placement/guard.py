@@ -15,7 +15,17 @@ and FlexMoE's first change judged a loss on that alone). So the policy gives the
 the OLD placement on the counts of the window before the change and on those of the window after it, and the
 steps before are moved by the difference: the change is judged against what the old placement would have run.
 
-Slower by more than ``margin``: the change is undone (the previous slot table is restored with ``eplb.moves_to``,
+A verdict is a difference of two medians of noisy steps, so "slower" has three answers. Slower by more than
+``margin`` plus ``UNDO_SIGMAS`` standard errors of that difference (``verdict_error``, from the job's
+``step_noise``): lost. Within the margin: paid. In between: not yet known, and the change is judged again one window
+later on every step since it (the policy still makes no new change), up to ``VERDICT_WINDOWS`` windows, after which
+the margin alone decides. Measured at 2,048 tokens per rank: steps varying 7-12% from one to the next make two
+10-step medians of one placement differ by 4-7%, and against the bare 3% margin one FlexMoE run in each of two rounds
+was sent back to the start by its first verdict or the first watch, ending at 1.02-1.05x of static where the runs
+that kept their changes reached 1.15x. Keeping such a change at once (and leaving it to the watch) was measured too:
+no faster there, and it lets a change that loses a little run until the watch is sure.
+
+Lost: the change is undone (the previous slot table is restored with ``eplb.moves_to``,
 the previous shadow set put back) and the policy pauses for ``backoff ** strikes`` runs (doubling at each
 consecutive undo, at most ``max_pause``); not slower: kept, and the strikes reset. The medians and the change's
 own time are the maximum over all ranks (all-reduces), so every rank takes the same decision.
@@ -28,8 +38,11 @@ run under the original placement (the last ``REFERENCE_STEPS`` of them; a policy
 the placement left it (up to the last ``4 x REFERENCE_STEPS``), at 2, 4, 8, ... windows after leaving (a growing
 sample, so the verdicts get surer and rarer), and at each pending change's verdict too, once those steps span two
 windows (one window of a few steps is too noisy to send a policy back to its start): slower than the reference by
-more than ``margin`` returns to the original placement (slot table and shadow set), whatever the last change did,
-and pauses the policy ``max_pause`` runs. An undo that restores an earlier change (not the original placement)
+more than ``margin`` (and, before ``SURE_WINDOWS`` windows away, by more than ``UNDO_SIGMAS`` standard errors of
+the two medians beyond it; within them the watch looks again one window later) returns to the original placement
+(slot table and shadow set), whatever the last change did, and pauses the policy ``max_pause`` runs. The reference
+is moved for the routing's drift as a verdict's steps before are: by the model's difference between the original
+placement on the counts of the latest window and on those before the placement left it. An undo that restores an earlier change (not the original placement)
 restarts that watch on the restored placement's own steps, at 2, 4, ... windows again: its earlier steps ran on
 older routing (measured at 512 tokens per rank and 25 MB/s: after an undo at step 30 the restored placement ran
 5-8% slower than static to the end of the run, and the watch, next due at twice the steps since leaving and
@@ -165,7 +178,8 @@ class PayoffGuard:
 
     def check(self, interval: int, drift: Optional[Callable[[list], Optional[float]]] = None):
         """At a policy run (collective while a change is pending or the placement is away from the original):
-        None (nothing to judge, or it paid), ``WAIT`` (a change's window is not complete: make no new change), or
+        None (nothing to judge, or it paid), ``WAIT`` (a change's window is not complete, or its loss is within the
+        noise and it is judged again on the next window: make no new change), or
         for every layer ``(runtime, moves, shadow set)`` that undo the last change or return to the original
         placement (it lost).
 
@@ -174,7 +188,8 @@ class PayoffGuard:
         None. The routing moves while a change is judged (early in training it concentrates on fewer experts, and
         every placement's steps slow down); the verdict then weighs the steps after the change against the steps
         before it moved by the model's difference between the old placement on the two windows' counts
-        (``before_model_s`` at ``record``), not against the steps before as they were."""
+        (``before_model_s`` at ``record``; the mean over the windows a verdict spans), not against the steps before
+        as they were. The watch calls it with the original placement's snapshots."""
         if not self.enabled:
             return None
         change = self.pending
