@@ -261,7 +261,7 @@ class PayoffGuard:
             return False
         if self.away_steps >= SURE_WINDOWS * self.window(interval):
             return True
-        error = 1.25 * (self.job_noise or 0.0) * reference * (1.0 / len(self.away) + 1.0 / max(self.reference_n, 1)) ** 0.5
+        error = self._median_difference_error(reference, len(self.away), max(self.reference_n, 1))
         return True if away > reference * (1.0 + self.margin) + UNDO_SIGMAS * error else None
 
     def _watch(self, interval: int, drift=None):
@@ -336,8 +336,12 @@ class PayoffGuard:
         """The standard error (s) of one verdict's measured saving: the difference of the median of the window
         before the change and that of the ``after`` steps after it (one window by default), of steps that vary by
         the job's ``step_noise`` (a median's standard error is about 1.25 x the mean's)."""
-        after = after or change.window
-        return 1.25 * (self.job_noise or 0.0) * change.before_s * (1.0 / change.window + 1.0 / after) ** 0.5
+        return self._median_difference_error(change.before_s, change.window, after or change.window)
+
+    def _median_difference_error(self, step_s: float, n1: int, n2: int) -> float:
+        """The standard error (s) of the difference of the medians of ``n1`` and ``n2`` steps of about ``step_s``
+        that vary by the job's ``step_noise`` (a median's standard error is about 1.25 x the mean's)."""
+        return 1.25 * (self.job_noise or 0.0) * step_s * (1.0 / n1 + 1.0 / n2) ** 0.5
 
     def realisation(self) -> float:
         """The share of its predicted savings the model has delivered on this run (module docstring): 1 before any
