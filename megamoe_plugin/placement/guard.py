@@ -148,7 +148,7 @@ class PayoffGuard:
         self.judged = 0                               # verdicts with a prediction
         self.job_noise: Optional[float] = None        # the job's step_noise, as the policy last all-reduced it
         self.last_drift_s = 0.0                       # how far the last verdict moved the steps before (s)
-        self.inconclusive = 0                         # verdicts that waited for more steps instead of undoing
+        self.inconclusive = 0                         # verdicts and watches that found a loss within the noise
 
     @property
     def enabled(self) -> bool:
@@ -261,7 +261,7 @@ class PayoffGuard:
             return False
         if self.away_steps >= SURE_WINDOWS * self.window(interval):
             return True
-        error = self._median_difference_error(reference, len(self.away), max(self.reference_n, 1))
+        error = self._median_difference_error(reference, len(self.away), self.reference_n)
         return True if away > reference * (1.0 + self.margin) + UNDO_SIGMAS * error else None
 
     def _watch(self, interval: int, drift=None):
