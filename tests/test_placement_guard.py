@@ -506,29 +506,38 @@ def test_the_verdicts_measure_how_much_of_its_predicted_savings_the_model_delive
     rt, before = _changed_runtime()
     _steps(guard, 1.0, 1.0, 1.0)
     guard.record(1.0, cost_s=0.0, interval=3, runtimes=[rt], states=[before], shadows=[()], predicted_s=0.2)
-    _steps(guard, 1.1, 1.1, 1.1)
-    assert isinstance(guard.check(3), list)               # predicted 0.2 s saved, lost 0.1 s: undone
-    # (-0.1 + a prior of 0.2 delivered) / (0.2 + 0.2)
-    assert abs(guard.realisation() - 0.25) < 1e-12
-    guard.record(1.0, cost_s=0.3, interval=3, runtimes=[rt], states=[before], shadows=[()], predicted_s=0.2)
-    _steps(guard, 0.7, 0.7, 0.7)
-    assert guard.check(3) is None                         # 0.7 + 0.3 s / 3 = 0.8: saved 0.2 s, kept
-    assert abs(guard.realisation() - (-0.1 + 0.2 + 0.2) / (0.4 + 0.2)) < 1e-12
+    _steps(guard, 0.9, 0.9, 0.9)
+    assert guard.check(3) is None                         # predicted 0.2 s saved, saved 0.1 s: kept
+    # (0.1 + a prior of 0.2 delivered) / (0.2 + 0.2)
+    assert guard.realisation() == pytest.approx(0.75)
     guard.record(1.0, cost_s=0.0, interval=3, runtimes=[rt], states=[before], shadows=[()], predicted_s=0.2)
-    _steps(guard, 3.0, 3.0, 3.0)
-    guard.check(3)
-    assert guard.realisation() == 0.05                    # far below: clipped to MIN_REALISATION
+    _steps(guard, 1.6, 1.6, 1.6)
+    assert isinstance(guard.check(3), list)               # lost 0.6 s: undone, and counts as 0 delivered, not -0.6
+    # the first verdict is one 3-step window old: weight 2 ** (-1/3) (half-life 3 windows)
+    w = 2 ** (-1 / 3)
+    assert guard.realisation() == pytest.approx((w * 0.1 + 0.0 + 0.2) / (w * 0.2 + 0.2 + 0.2))
+    # nine steps without a verdict later, both weigh half as much: the model is trusted more again
+    _steps(guard, *[1.0] * 9)
+    assert guard.realisation() == pytest.approx((w * 0.05 + 0.2) / (w * 0.1 + 0.1 + 0.2))
+    # a model refuted at every window stays low: 12 changes in a row that delivered nothing
+    refuted = PayoffGuard(margin=0.03, min_reference=1)
+    for _ in range(12):
+        refuted.record(1.0, cost_s=0.0, interval=3, runtimes=[rt], states=[before], shadows=[()], predicted_s=0.2)
+        _steps(refuted, 1.2, 1.2, 1.2)
+        assert isinstance(refuted.check(3), list)
+    weights = sum(2 ** (-k / 3) for k in range(12))       # ages 0, 1, ... 11 windows
+    assert refuted.realisation() == pytest.approx(0.2 / (weights * 0.2 + 0.2)) and refuted.realisation() < 0.2
     noisy = PayoffGuard(margin=0.03, min_reference=1)
     noisy.job_noise = 0.1                                 # steps vary by 10% from one to the next
     _steps(noisy, 1.0, 1.0, 1.0)
     noisy.record(1.0, cost_s=0.0, interval=3, runtimes=[rt], states=[before], shadows=[()], predicted_s=0.2)
-    _steps(noisy, 1.1, 1.1, 1.1)
-    # 10% slower, but one window's standard error is 1.25 x 0.1 x 1.0 s x sqrt(1/3 + 1/3) = 0.102 s: not yet known
+    _steps(noisy, 1.05, 1.05, 1.05)
+    # 5% slower, but one window's standard error is 1.25 x 0.1 x 1.0 s x sqrt(1/3 + 1/3) = 0.102 s: not yet known
     assert noisy.check(3) == WAIT and noisy.judged == 0 and noisy.inconclusive == 1
-    _steps(noisy, 1.1, 1.1, 1.1, 1.1, 1.1, 1.1)
+    _steps(noisy, 1.05, 1.05, 1.05, 1.05, 1.05, 1.05)
     assert isinstance(noisy.check(3), list)               # the third window decides on the margin alone
-    # the verdict on 9 steps after: standard error 1.25 x 0.1 x 1.0 s x sqrt(1/3 + 1/9); it counts -0.1 + that
-    assert abs(noisy.realisation() - (-0.1 + 1.25 * 0.1 * (1 / 3 + 1 / 9) ** 0.5 + 0.2) / 0.4) < 1e-12
+    # the verdict on 9 steps after: standard error 1.25 x 0.1 x 1.0 s x sqrt(1/3 + 1/9); it counts -0.05 + that
+    assert noisy.realisation() == pytest.approx((-0.05 + 1.25 * 0.1 * (1 / 3 + 1 / 9) ** 0.5 + 0.2) / 0.4)
     unpredicted = PayoffGuard(margin=0.03, min_reference=1)
     _steps(unpredicted, 1.0, 1.0, 1.0)
     unpredicted.record(1.0, cost_s=0.0, interval=3, runtimes=[rt], states=[before], shadows=[()])
@@ -539,17 +548,20 @@ def test_the_verdicts_measure_how_much_of_its_predicted_savings_the_model_delive
 
 def test_a_policy_whose_savings_were_refuted_asks_for_more():
     """The planner's threshold is the noise's divided by the model's realisation: a model that delivered a quarter of
-    its predictions must predict four times as much before the next change."""
+    its predictions in three verdicts (realisation 0.35 / 0.8 with the prior) must predict 0.8 / 0.35 times as much
+    before the next change."""
     from megamoe_plugin.placement import policies
 
     layer, opt, hook = _shadow_policy_run()
     guard = hook.policy.guard
-    guard.predicted_saved, guard.realised_saved, guard.judged = 0.2, -0.1, 1
+    # three verdicts that delivered 0.05 s of 0.2 s predicted, too recent to have faded in 12 steps
+    guard.verdicts, guard.judged = [(10 ** 6, 10 ** 6, 0.2, 0.05)] * 3, 3
+    guard.observed = 10 ** 6
     hook.policy.observe_step = lambda seconds: guard.observe(1.0)          # quiet steps: the 5% floor
     _train(layer, opt, hook, 12)
     m = hook.policy.metrics
-    assert m["realisation"] == 0.25
-    assert abs(m["required_gain"] - policies.MIN_PREDICTED_GAIN / 0.25) < 1e-12
+    assert m["realisation"] == pytest.approx((3 * 0.05 + 0.2) / (3 * 0.2 + 0.2), abs=1e-6)
+    assert m["required_gain"] == pytest.approx(policies.MIN_PREDICTED_GAIN / m["realisation"])
     assert all(p.min_gain == m["required_gain"] for p in hook.policy._planners.values())
 
 

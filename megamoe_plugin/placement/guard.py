@@ -63,7 +63,13 @@ with a prior of one verdict that delivered exactly its prediction, clipped to [M
 counts against the model only by what it measured below the prediction beyond its own standard error (two window
 medians of steps that vary by the job's ``step_noise``): where one window of steps varies by more than the
 predicted saving, a single unlucky verdict says nothing about the model (measured at 2,048 tokens per rank: steps
-varying 20% from one to the next, one shadow set undone, and the realisation fell to 0.13 for the rest of the run). The policies
+varying 20% from one to the next, one shadow set undone, and the realisation fell to 0.13 for the rest of the run).
+A verdict says at worst that the model delivered none of its prediction: a loss beyond that is the undo's to repair,
+not a share of the saving (measured at 2,048 tokens per rank over 120 steps: one change undone on a window whose
+hot experts had moved counted as -1.1 of its prediction, the realisation fell to 0.29 and the policy, asked for a
+75% gain, changed nothing for the 90 steps left). And a verdict's weight halves every ``REALISATION_HALF_LIFE``
+windows: the routing it was measured on moves on, and a model refuted early must not stay refuted on the routing
+of a hundred steps later; a model refuted again and again stays low, since each new verdict weighs in full. The policies
 divide their planners' threshold by it: a model whose savings were refuted must predict more before the next change
 (measured: shadowing at 512 tokens per rank predicted 20-30% of the layers' time per set and the guard undid 10 of
 11 sets), while a model whose savings the steps confirm keeps the threshold set by the noise alone.
@@ -89,6 +95,7 @@ UNDO_SIGMAS = 1.0             # an early verdict undoes a loss only beyond the m
 VERDICT_WINDOWS = 3           # an inconclusive verdict on a change waits for up to this many windows after it
 SURE_WINDOWS = 4              # from this many windows away from the start the watch judges by the margin alone
 MIN_REALISATION = 0.05        # the lowest share of its predicted savings a model is trusted to deliver
+REALISATION_HALF_LIFE = 3     # a verdict's weight in the realisation halves every this many windows of steps
 
 
 def job_max(value: Optional[float]) -> Optional[float]:
@@ -143,8 +150,9 @@ class PayoffGuard:
         self.away: List[float] = []                   # the last 4 x REFERENCE_STEPS steps since it left
         self.away_steps = 0                           # every step since the placement left it
         self._next_watch = 0                          # away_steps at which the next watch verdict falls
-        self.predicted_saved = 0.0                    # sum of the judged changes' predicted savings per step (s)
-        self.realised_saved = 0.0                     # sum of the savings their verdicts measured (s, < 0: lost)
+        self.observed = 0                             # every step observed (``steps`` keeps the recent ones)
+        # per verdict with a prediction: (step observed, window, predicted saving (s), the saving it counts (s))
+        self.verdicts: List[Tuple[int, int, float, float]] = []
         self.judged = 0                               # verdicts with a prediction
         self.job_noise: Optional[float] = None        # the job's step_noise, as the policy last all-reduced it
         self.last_drift_s = 0.0                       # how far the last verdict moved the steps before (s)
@@ -161,6 +169,7 @@ class PayoffGuard:
         """One training step's duration (called by the after-step hook after every step)."""
         if self.enabled:
             self.steps.append(float(seconds))
+            self.observed += 1
             if self.pending is None and len(self.steps) > 256:
                 del self.steps[:-128]
             if self.at_origin:
@@ -217,9 +226,11 @@ class PayoffGuard:
         self.pending = None
         self.last_drift_s = before_s - change.before_s
         if change.predicted_s is not None and change.predicted_s > 0:
-            realised = before_s - measured
-            self.predicted_saved += change.predicted_s
-            self.realised_saved += min(change.predicted_s, realised + self.verdict_error(change, len(after)))
+            realised = before_s - measured + self.verdict_error(change, len(after))
+            self.verdicts.append((self.observed, change.window, change.predicted_s,
+                                  min(change.predicted_s, max(realised, 0.0))))
+            self.verdicts = [v for v in self.verdicts                   # weighs under 2 ** -20 by now
+                             if self.observed - v[0] < 20 * REALISATION_HALF_LIFE * v[1]]
             self.judged += 1
         if not behind and not lost:
             self.kept += 1
@@ -345,12 +356,16 @@ class PayoffGuard:
 
     def realisation(self) -> float:
         """The share of its predicted savings the model has delivered on this run (module docstring): 1 before any
-        verdict; the same on every rank (the verdicts' inputs are job-wide)."""
-        if not self.enabled or self.judged == 0:
+        verdict; each verdict weighted by 2 ** -(its age in windows / REALISATION_HALF_LIFE); the same on every
+        rank (the verdicts' inputs are job-wide, and every rank observes as many steps)."""
+        if not self.enabled or not self.verdicts:
             return 1.0
-        prior = self.predicted_saved / self.judged
-        ratio = (self.realised_saved + prior) / (self.predicted_saved + prior)
-        return min(1.0, max(MIN_REALISATION, ratio))
+        prior = statistics.fmean(v[2] for v in self.verdicts)
+        weights = [0.5 ** ((self.observed - at) / (REALISATION_HALF_LIFE * window))
+                   for at, window, _, _ in self.verdicts]
+        predicted = sum(w * v[2] for w, v in zip(weights, self.verdicts))
+        realised = sum(w * v[3] for w, v in zip(weights, self.verdicts))
+        return min(1.0, max(MIN_REALISATION, (realised + prior) / (predicted + prior)))
 
     def paused(self) -> bool:
         """Whether this run must not change the placement: after an undo (counts the run), before the reference
