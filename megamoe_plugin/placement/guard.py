@@ -67,12 +67,12 @@ varying 20% from one to the next, one shadow set undone, and the realisation fel
 A verdict says at worst that the model delivered none of its prediction: a loss beyond that is the undo's to repair,
 not a share of the saving (measured at 2,048 tokens per rank over 120 steps: one change undone at step 25-30, while
 the hot experts still changed from one window to the next, counted as about -1.1 of its prediction, the
-realisation fell to 0.29 and the policy, asked for a 75% gain, changed nothing for the 90 steps left). And a verdict's weight halves every ``REALISATION_HALF_LIFE``
-windows: the routing it was measured on moves on, and a model refuted early must not stay refuted on the routing
-of a hundred steps later; a model refuted again and again stays low, since each new verdict weighs in full. The policies
-divide their planners' threshold by it: a model whose savings were refuted must predict more before the next change
-(measured: shadowing at 512 tokens per rank predicted 20-30% of the layers' time per set and the guard undid 10 of
-11 sets), while a model whose savings the steps confirm keeps the threshold set by the noise alone.
+realisation fell to 0.29 and the policy, asked for a 75% gain, changed nothing for the 90 steps left). And a
+verdict's weight halves every ``REALISATION_HALF_LIFE`` windows: the routing it was measured on moves on, and a
+model refuted early must not stay refuted on the routing of a hundred steps later; a model refuted at every window
+stays low (about 0.17), since each new verdict weighs in full. The policies divide their planners' threshold by it:
+a model whose savings were refuted must predict more before the next change (measured: shadowing at 512 tokens per
+rank predicted 20-30% of the layers' time per set and the guard undid 10 of 11 sets), while a model whose savings the steps confirm keeps the threshold set by the noise alone.
 """
 from __future__ import annotations
 
