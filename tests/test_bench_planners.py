@@ -61,13 +61,18 @@ def test_the_table_says_what_share_of_replica_sync_and_shadow_traffic_the_steps_
     assert "3.0 ms per step waited" in text
 
 
-def test_replica_runs_take_a_spare_slot_count_and_others_do_not():
+def test_replica_runs_take_a_spare_slot_count_policy_runs_an_interval_and_others_do_not():
     assert planners.run_flags("flexmoe_overlap_spare2", 1.25) == [
         "--moe-placement", "flexmoe", "--moe-placement-overlap-sync", "--moe-placement-spare-slots", "2"]
     assert planners.run_flags("eplb", 1.25) == ["--moe-placement", "eplb"]
-    for bad in ("static_spare2", "shadow_spare1", "flexmoe_spare0", "flexmoe_spare", "nothing"):
+    assert planners.run_flags("flexmoe_hidden_spare2_every5", 1.25) == [
+        "--moe-placement", "flexmoe", "--moe-placement-overlap-sync", "--moe-placement-overlap-moves",
+        "--moe-placement-spare-slots", "2", "--moe-placement-interval", "5"]
+    assert planners.run_flags("shadow_every3", 1.25) == ["--moe-placement", "shadow", "--moe-placement-interval", "3"]
+    for bad in ("static_spare2", "shadow_spare1", "flexmoe_spare0", "flexmoe_spare", "nothing", "static_every5",
+                "idle_every5", "flexmoe_every0", "flexmoe_every5_spare2"):
         assert planners.split_run(bad) is None, bad
-    assert sorted(["eplb", "flexmoe_spare2", "static", "flexmoe"], key=planners.run_order) == [
-        "static", "flexmoe", "flexmoe_spare2", "eplb"]
+    assert sorted(["eplb", "flexmoe_spare2", "static", "flexmoe_spare2_every5", "flexmoe"],
+                  key=planners.run_order) == ["static", "flexmoe", "flexmoe_spare2", "flexmoe_spare2_every5", "eplb"]
     with pytest.raises(SystemExit, match="static_spare2: unknown"):
         planners.main(["--runs", "static,static_spare2", "--steps", "1"])

@@ -22,7 +22,9 @@ A real-text MoE LM whose routing skews on its own (the embedded corpus, 16 exper
 
 The runs with replicas (``flexmoe``, ``flexmoe_overlap``, ``flexmoe_hidden``, ``eplb``, ``idle``) also run as
 ``<run>_spare<N>``: with N spare slots per rank instead of their default one (``--moe-placement-spare-slots``), to
-compare planners at equal spare slots or to see what more replicas buy.
+compare planners at equal spare slots or to see what more replicas buy. The runs with a policy also run as
+``<run>_every<K>`` (after any ``_spare<N>``): the policy run every K steps (``--moe-placement-interval``), to
+compare how fast a planner follows the routing against how noisy its verdicts' windows get.
 
 Every rank is a fixed-speed device by default (``--cpu-share auto``: its own CPU cgroup capped at 0.9 x cores /
 ranks), so a loaded rank cannot borrow the cores its idle peers leave; ``--batch-size`` sets the tokens per rank per
@@ -59,6 +61,9 @@ RUNS = ("static", "capacity", "shadow", "shadow_sync", "shadow_overlap", "shadow
 DIAGNOSTIC_RUNS = ("shadow_unguarded", "idle")          # run only when asked: they explain the others' numbers
 # these also run as <run>_spare<N>: N spare slots per rank
 REPLICA_RUNS = ("flexmoe", "flexmoe_overlap", "flexmoe_hidden", "eplb", "idle")
+# these also run as <run>[_spare<N>]_every<K>: the policy run every K steps (--moe-placement-interval)
+POLICY_RUNS = ("shadow", "shadow_sync", "shadow_overlap", "shadow_unguarded", "flexmoe", "flexmoe_overlap",
+               "flexmoe_hidden", "eplb")
 SKEWED = ["--moe-gate", "switch", "--moe-top-k", "1", "--moe-aux-loss-coeff", "0"]
 BALANCED = ["--moe-gate", "gshard", "--moe-top-k", "2", "--moe-second-expert-policy", "all",
             "--moe-aux-loss-coeff", "0.01"]
@@ -68,23 +73,28 @@ MODEL = ["--hidden", "256", "--layers", "4", "--heads", "4", "--ffn-hidden", "51
 
 
 def split_run(run: str):
-    """(one of RUNS, spare slots per rank or None) of a run name: ``flexmoe_overlap_spare2`` is flexmoe_overlap
-    with two spare slots per rank (the placements with replicas only); None for a name that is not a run."""
-    found = re.fullmatch(r"(.+)_spare(\d+)", run)
-    if found and found[1] in REPLICA_RUNS and int(found[2]) >= 1:
-        return found[1], int(found[2])
-    return (run, None) if run in RUNS else None
+    """(one of RUNS, spare slots per rank or None, policy interval or None) of a run name:
+    ``flexmoe_overlap_spare2_every5`` is flexmoe_overlap with two spare slots per rank (the placements with
+    replicas only), its policy run every 5 steps (the placements with a policy only); None for a name that is not
+    a run."""
+    found = re.fullmatch(r"(.+?)(?:_spare(\d+))?(?:_every(\d+))?", run)
+    base, spare, every = found[1], found[2], found[3]
+    if base not in RUNS or (spare is not None and (base not in REPLICA_RUNS or int(spare) < 1)) \
+            or (every is not None and (base not in POLICY_RUNS or int(every) < 1)):
+        return None
+    return base, (int(spare) if spare else None), (int(every) if every else None)
 
 
 def run_order(run: str):
-    base, spare = split_run(run)
-    return RUNS.index(base), spare or 0
+    base, spare, every = split_run(run)
+    return RUNS.index(base), spare or 0, every or 0
 
 
 def run_flags(run: str, capacity_factor: float) -> List[str]:
-    """The ``megamoe train`` flags of one of RUNS (or ``<run>_spare<N>``, ``split_run``)."""
-    base, spare = split_run(run)
-    return _base_flags(base, capacity_factor) + (["--moe-placement-spare-slots", str(spare)] if spare else [])
+    """The ``megamoe train`` flags of one of RUNS (or ``<run>_spare<N>_every<K>``, ``split_run``)."""
+    base, spare, every = split_run(run)
+    return (_base_flags(base, capacity_factor) + (["--moe-placement-spare-slots", str(spare)] if spare else [])
+            + (["--moe-placement-interval", str(every)] if every else []))
 
 
 def _base_flags(run: str, capacity_factor: float) -> List[str]:
@@ -261,7 +271,9 @@ def main(argv: Optional[List[str]] = None) -> dict:
     p = argparse.ArgumentParser(prog="megamoe bench planners", description=__doc__.split("\n\n")[0])
     p.add_argument("--runs", default=",".join(r for r in RUNS if r not in DIAGNOSTIC_RUNS),
                    help=f"comma list of {', '.join(RUNS)} (default: all but {', '.join(DIAGNOSTIC_RUNS)}); "
-                        f"{', '.join(REPLICA_RUNS)} also as <run>_spare<N>: with N spare slots per rank")
+                        f"{', '.join(REPLICA_RUNS)} also as <run>_spare<N>: with N spare slots per rank; "
+                        f"{', '.join(POLICY_RUNS)} also with _every<K> (after any _spare<N>): the policy run "
+                        "every K steps")
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--capacity-factor", type=float, default=1.25)
     p.add_argument("--inter-node-bandwidth", default="100MB/s", help="one value or a comma list (a sweep)")
@@ -294,7 +306,8 @@ def main(argv: Optional[List[str]] = None) -> dict:
     unknown = [r for r in runs if split_run(r) is None]
     if unknown:
         raise SystemExit(f"megamoe bench planners: --runs {','.join(unknown)}: unknown; known: {','.join(RUNS)}, "
-                         f"and {'|'.join(REPLICA_RUNS)} with _spare<N> (N >= 1 spare slots per rank)")
+                         f"and {'|'.join(REPLICA_RUNS)} with _spare<N> (N >= 1 spare slots per rank), "
+                         f"{'|'.join(POLICY_RUNS)} with _every<K> (K >= 1 steps between policy runs)")
     why = netns.unavailable()
     if why:
         raise SystemExit(f"megamoe bench planners: {why}")
