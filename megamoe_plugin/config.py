@@ -117,6 +117,11 @@ class MoEConfig:
                                       "summed routing); 0 = automatic: 10 for flexmoe and eplb (their moves pay off "
                                       "over the interval, and each run costs collectives), 1 for shadow (FasterMoE "
                                       "decides per iteration).")
+    placement_plan_steps: int = _opt(0, "The planners plan from the routing of the last this many optimizer steps "
+                                        "(at most the interval); 0 = automatic: 3 for flexmoe (where the hot "
+                                        "experts drift, the last steps' routing predicts the next ones' better than "
+                                        "the interval's sum), the whole interval otherwise (eplb keeps its own "
+                                        "moving average of it).")
     placement_threshold: float = _opt(1.2, "flexmoe: balance ratio (FlexMoE Eq. 6: the most loaded rank's tokens "
                                            "over the mean) above which experts are expanded and shrunk.")
     placement_spare_slots: int = _opt(-1, "vExpert slots per rank beyond the experts it starts with (room for "
@@ -317,6 +322,8 @@ class MoEConfig:
         """FlexMoE / shadowing placement."""
         if self.placement_interval < 0:
             self._bad("placement_interval", "must be >= 1, or 0 for automatic")
+        if self.placement_plan_steps < 0:
+            self._bad("placement_plan_steps", "must be >= 1, or 0 for automatic")
         if not self.placement:
             self._bad("placement", "must not be empty (use 'none')")
         if self.placement_threshold < 1.0:
@@ -396,6 +403,13 @@ class MoEConfig:
     def placement_every(self) -> int:
         """--moe-placement-interval resolved: 10 for flexmoe and eplb and 1 otherwise when 0 (automatic)."""
         return self.placement_interval or (10 if self.placement in REPLICA_PLACEMENTS else 1)
+
+    @property
+    def placement_plan_window(self) -> int:
+        """--moe-placement-plan-steps resolved: the steps whose routing the planners plan from (at most the
+        interval); 3 for flexmoe and the whole interval otherwise when 0 (automatic)."""
+        every = self.placement_every
+        return min(every, self.placement_plan_steps or (3 if self.placement == "flexmoe" else every))
 
     @property
     def gate_sync_mode(self):

@@ -391,8 +391,8 @@ def test_a_held_policy_runs_no_collective_and_prices_the_held_steps_later(monkey
     opt = torch.optim.Adam(layer.parameters(), lr=1e-3)
     hook = AfterStepHook(cfg)
     gathered, real = [], policies.gather_counts
-    monkeypatch.setattr(policies, "gather_counts", lambda rts: gathered.append(
-        float(rts[0].step_counts.sum())) or real(rts))
+    monkeypatch.setattr(policies, "gather_counts", lambda rts, **kw: gathered.append(
+        float(rts[0].step_counts.sum())) or real(rts, **kw))
 
     def step(it):
         opt.zero_grad()
@@ -671,3 +671,30 @@ def test_overlapped_shadow_traffic_is_priced_at_the_share_the_steps_waited_for()
     rt.shadowed = [0]
     sync._learn_shadow_exposure([layer], eq8 / 10)
     assert sync.shadow_exposure == 1.0
+
+
+@pytest.mark.parametrize("plan_steps, expected", [(0, [9.0, 0.0, 0.0, 1.0]), (10, [5.5, 0.0, 0.0, 4.5])])
+def test_flexmoe_plans_from_the_last_steps_routing(monkeypatch, plan_steps, expected):
+    """FlexMoE's planner decides from the routing of the last 3 steps (automatic --moe-placement-plan-steps), not
+    from the whole 10-step interval's: where the hot experts drift, the last steps predict the next ones better.
+    Step k routes [k, 0, 0, 10 - k] tokens: at step 10 the last three steps' mean is [9, 0, 0, 1], the interval's
+    [5.5, 0, 0, 4.5]."""
+    import torch
+
+    from megamoe_plugin import MoEConfig
+    from megamoe_plugin.layer import MoELayer
+    from megamoe_plugin.placement import AfterStepHook
+
+    cfg = MoEConfig(num_experts=4, top_k=1, gate="switch", placement="flexmoe", placement_profile="flexmoe-a100",
+                    placement_plan_steps=plan_steps)
+    layer = MoELayer(cfg, 8, 16)
+    opt = torch.optim.Adam(layer.parameters(), lr=1e-3)
+    hook = AfterStepHook(cfg)
+    seen = []
+    monkeypatch.setattr(type(hook.policy), "decide", lambda self, key, cm, rt, counts: seen.append(counts) or ([], None))
+    rt = layer.plan.placement
+    for it in range(1, 11):
+        with torch.enable_grad():
+            rt._accumulate(torch.tensor([it, 0, 0, 10 - it]), torch.tensor(0))
+        hook.run(layer, opt, it)
+    assert len(seen) == 1 and seen[0].tolist() == [expected]

@@ -119,6 +119,12 @@ class AfterStepHook:
             self._eval_forwards = evals
         self._started = start
         self._steps += 1
+        if self.policy is not None:                   # the planners' window of the last steps' routing
+            keep = self.cfg.placement_plan_window
+            for m in moe_layers:
+                rt = getattr(getattr(m, "plan", None), "placement", None)
+                if rt is not None:
+                    rt.close_step(keep)
         if not self.active or iteration % self.cfg.placement_every:
             return False
         ctx = StepContext(model, optimizer, iteration, moe_layers, dict(extra), steps=self._steps)

@@ -6,7 +6,11 @@ Each run, for every MoE layer of this rank (in model order):
 1. the last steps' routing: the [E] counts this rank's training forwards sent (``PlacementRuntime.step_counts``),
    all-gathered over the expert-parallel group into [P, E] and summed over the expert-data-parallel group, so
    every expert-parallel group of the job plans from the same numbers and keeps the same placement (its slots are
-   reduced together);
+   reduced together); in the same collective, the counts of the planners' window, the last
+   ``--moe-placement-plan-steps`` steps (``PlacementRuntime.recent``; 3 for flexmoe: measured at 2,048 tokens per
+   rank, where the hot experts changed from one 10-step interval to the next until step 40, the top-4 experts of
+   the last 2-3 steps carried 0.63-0.76 of the next 10 steps' load on the next 10 steps' own top-4, those of the
+   whole interval 0.25-0.57), from which the planners decide and their predicted saving is priced;
 2. the decision, deterministic, on every rank:
    * ``flexmoe``: ``FlexMoEPlanner`` (paper 001 Alg. 1-2: balance-ratio trigger ``--moe-placement-threshold``,
      Expand the hottest per-vExpert load, Shrink the coldest, keep a change only when the cost model predicts a
@@ -94,14 +98,19 @@ def global_counts(rt) -> torch.Tensor:
     return gather_counts([rt])[0]
 
 
-def gather_counts(runtimes) -> list:
+def gather_counts(runtimes, recent: bool = False):
     """``global_counts`` of several layers that share their groups, in one all-gather (and one all-reduce): a
-    placement run costs two collectives however many MoE layers the model has."""
+    placement run costs two collectives however many MoE layers the model has. With ``recent``: a pair, those
+    and the layers' [P, E] counts of their last closed steps (``PlacementRuntime.recent``), in the same
+    collectives."""
     if not runtimes:
-        return []
+        return ([], []) if recent else []
     rt0 = runtimes[0]
     dev = comm_device(rt0.ep.group if rt0.ep.size > 1 else rt0.edp_group)
-    mine = torch.stack([rt.take_step_counts().to(dev, torch.float64) for rt in runtimes])   # [L, E]
+    rows = [rt.take_step_counts().to(dev, torch.float64) for rt in runtimes]
+    if recent:
+        rows += [rt.recent_counts().to(dev, torch.float64) for rt in runtimes]
+    mine = torch.stack(rows)                                                                 # [L or 2L, E]
     parts = [mine]
     if rt0.ep.size > 1:
         parts = [torch.empty_like(mine) for _ in range(rt0.ep.size)]
@@ -109,7 +118,8 @@ def gather_counts(runtimes) -> list:
     counts = torch.stack(parts, 1)                                                           # [L, P, E]
     if rt0.edp_group is not None and dist.is_initialized() and dist.get_world_size(rt0.edp_group) > 1:
         dist.all_reduce(counts, group=rt0.edp_group)
-    return list(counts.cpu())
+    counts = list(counts.cpu())
+    return (counts[:len(runtimes)], counts[len(runtimes):]) if recent else counts
 
 
 def _static_placement(rt):
@@ -286,13 +296,12 @@ class _Policy:
                 else cm.layer_time(counts, state.placement()).total
         return total
 
-    def _predicted_saving(self, layers, rows) -> float:
-        """The cost model's saving per step of the change this run made: the layers' predicted time with the last
-        steps' counts under the placement they ran with, less the same under the new one (slot table and shadow
-        set)."""
-        before_s = sum(row[4] for row in rows)
-        return before_s - self._placement_time(layers, [row[1] for row in rows],
-                                               [(row[0].state, row[0].shadowed) for row in rows])
+    def _predicted_saving(self, layers, plan_counts, before_s: float) -> float:
+        """The cost model's saving per step of the change this run made: the layers' predicted time with the
+        counts the planners planned from under the placement they ran with (``before_s``), less the same under
+        the new one (slot table and shadow set)."""
+        return before_s - self._placement_time(layers, plan_counts, [(m.plan.placement.state,
+                                                                      m.plan.placement.shadowed) for m in layers])
 
     def observe_step(self, seconds: float) -> None:
         """One training step's duration, from the after-step hook (the pay-off guard's measurements)."""
@@ -325,10 +334,18 @@ class _Policy:
         steps = run_steps + self._held_steps
         gathered = []                                # the counts, when the verdict's drift needed them first
 
+        def gather():
+            # one gather a run (it takes the layers' counts): the steps' since the last run, and the planners'
+            # window of the last steps (the same when the window is the interval), each as one step's
+            counts, recent = gather_counts([m.plan.placement for m in layers], recent=True)
+            window = min(len(layers[0].plan.placement.recent), steps) if layers else 0
+            counts = [c / steps for c in counts]
+            gathered.append((counts, [c / window for c in recent] if 0 < window < steps else counts))
+
         def old_placement_time(snapshots):
-            if not gathered:                         # one gather a run: it takes the layers' counts
-                gathered.append([c / steps for c in gather_counts([m.plan.placement for m in layers])])
-            return self._placement_time(layers, gathered[0], [(state, shadow) for _, state, shadow in snapshots])
+            if not gathered:
+                gather()
+            return self._placement_time(layers, gathered[0][0], [(state, shadow) for _, state, shadow in snapshots])
 
         verdict = self.guard.check(every, drift=old_placement_time if self.profile is not None else None)
         undo = verdict if isinstance(verdict, list) else None
@@ -368,28 +385,31 @@ class _Policy:
         # the counts of the steps since the last run, as one step's: the cost model prices one step, against
         # which a move's one-off transfer is amortised over the interval
         self._held_steps = 0
-        all_counts = gathered[0] if gathered else \
-            [c / steps for c in gather_counts([m.plan.placement for m in layers])]             # one collective
+        if not gathered:
+            gather()                                                                            # one collective
+        all_counts, plan_counts = gathered[0]
         self._learn_sync_exposure(layers, sync_wait)
         self._learn_shadow_exposure(layers, shadow_wait)
         self._learn_move_exposure(move_wait)
         self.total_move_wait += move_wait or 0.0
         self._min_gain = self._required_gain(layers, all_counts, every, baseline, noise)
-        static_pred = 0.0
-        for i, (layer, counts) in enumerate(zip(layers, all_counts)):
+        static_pred = plan_before = 0.0
+        for i, (layer, counts, plan) in enumerate(zip(layers, all_counts, plan_counts)):
             rt = layer.plan.placement
             bank = layer.experts_bank
             dropped = rt.take_dropped() / steps
             key, cm = self._cm(bank, rt.num_experts, rt.ep.size)
             before_loads = rt.state.rank_loads(counts, rt.shadowed)
             predicted = self._placement_time([layer], [counts], [(rt.state, rt.shadowed)])
+            plan_before += predicted if plan is counts else \
+                self._placement_time([layer], [plan], [(rt.state, rt.shadowed)])
             static_pred += cm.layer_time(counts, _static_placement(rt)).total
             if undo is not None:                     # the last change did not pay: put back what was there
                 moves, shadow = undo[i][1], list(undo[i][2])
             elif hold:
                 moves, shadow = [], None
             else:
-                moves, shadow = self.decide(key, cm, rt, counts)
+                moves, shadow = self.decide(key, cm, rt, plan)
             decisions.append((moves, shadow))
             changes.append((rt, moves, bank))
             self._moves_modelled += sum(cm.move_time(m.nbytes, m.src, m.dst) for m in moves if m.communicates)
@@ -414,7 +434,7 @@ class _Policy:
         if changed and undo is None:
             self.guard.record(baseline, time.perf_counter() - now, every, [m.plan.placement for m in layers],
                               [b[0] for b in before], [b[1] for b in before],
-                              predicted_s=self._predicted_saving(layers, rows),
+                              predicted_s=self._predicted_saving(layers, plan_counts, plan_before),
                               before_model_s=sum(row[4] for row in rows))
         self._report(rows, sent, measured)
         if rows:

@@ -32,9 +32,9 @@ placement and load them into any placement and expert-parallel size (checkpoint.
 from __future__ import annotations
 
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from dataclasses import dataclass
-from typing import Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Deque, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -327,6 +327,8 @@ class PlacementRuntime:
         self.shadowed: List[int] = []
         self.cache = cache if cache is not None else group_cache()
         self.step_counts: Optional[torch.Tensor] = None     # this rank's [E] counts since the last policy run
+        self._step_in_progress: Optional[torch.Tensor] = None   # this rank's [E] counts of the current step
+        self.recent: Deque[torch.Tensor] = deque()          # this rank's [E] counts of each of the last steps
         self.step_dropped: Optional[torch.Tensor] = None    # and its dropped assignments (capacity dispatch)
         self.moves_done = 0
         self.bytes_moved = 0
@@ -435,6 +437,7 @@ class PlacementRuntime:
             return                                   # step they ran beside is not timed for the pay-off guard
         c, d = counts.detach(), dropped.detach()
         self.step_counts = c.clone() if self.step_counts is None else self.step_counts + c
+        self._step_in_progress = c.clone() if self._step_in_progress is None else self._step_in_progress + c
         self.step_dropped = d.clone() if self.step_dropped is None else self.step_dropped + d
 
     # --- forward: the bank's weights as this step computes with them ---------------------------------------------
@@ -505,6 +508,22 @@ class PlacementRuntime:
             raise PlacementError(f"shadowed experts must be distinct ids in 0..{self.num_experts - 1}: {experts}")
         self.shadowed = experts
         self._rebuild()
+
+    def close_step(self, keep: int) -> None:
+        """An optimizer step ended (the after-step hook, every step, on every rank): its counts join ``recent``,
+        which keeps the last ``keep`` steps'. A step without a training forward adds zeros."""
+        c = self._step_in_progress
+        self._step_in_progress = None
+        self.recent.append(torch.zeros(self.num_experts, dtype=torch.float64) if c is None else c)
+        while len(self.recent) > keep:
+            self.recent.popleft()
+
+    def recent_counts(self) -> torch.Tensor:
+        """This rank's [E] counts summed over ``recent``, float64 (zeros before the first step closes)."""
+        if not self.recent:
+            return torch.zeros(self.num_experts, dtype=torch.float64)
+        dev = self.recent[-1].device
+        return torch.stack([c.to(dev, torch.float64) for c in self.recent]).sum(0)
 
     def take_step_counts(self) -> torch.Tensor:
         """This rank's [E] counts since the last call (zeros when there was no training forward)."""
