@@ -9,7 +9,7 @@ Each run, for every MoE layer of this rank (in model order):
    reduced together); in the same collective, the counts of the planners' window, the last
    ``--moe-placement-plan-steps`` steps (``PlacementRuntime.recent``; 3 for flexmoe: measured at 2,048 tokens per
    rank, where the hot experts changed from one 10-step interval to the next until step 40, the top-4 experts of
-   the last 2-3 steps carried 0.63-0.76 of the next 10 steps' load on the next 10 steps' own top-4, those of the
+   the last 2-3 steps carried 0.55-0.76 of the next 10 steps' load on the next 10 steps' own top-4, those of the
    whole interval 0.25-0.57), from which the planners decide and their predicted saving is priced;
 2. the decision, deterministic, on every rank:
    * ``flexmoe``: ``FlexMoEPlanner`` (paper 001 Alg. 1-2: balance-ratio trigger ``--moe-placement-threshold``,
