@@ -69,8 +69,10 @@ def test_replica_runs_take_a_spare_slot_count_policy_runs_an_interval_and_others
         "--moe-placement", "flexmoe", "--moe-placement-overlap-sync", "--moe-placement-overlap-moves",
         "--moe-placement-spare-slots", "2", "--moe-placement-interval", "5"]
     assert planners.run_flags("shadow_every3", 1.25) == ["--moe-placement", "shadow", "--moe-placement-interval", "3"]
+    assert planners.run_flags("flexmoe_spare2_plan10", 1.25) == [
+        "--moe-placement", "flexmoe", "--moe-placement-spare-slots", "2", "--moe-placement-plan-steps", "10"]
     for bad in ("static_spare2", "shadow_spare1", "flexmoe_spare0", "flexmoe_spare", "nothing", "static_every5",
-                "idle_every5", "flexmoe_every0", "flexmoe_every5_spare2"):
+                "idle_every5", "flexmoe_every0", "flexmoe_every5_spare2", "flexmoe_plan3_every5", "static_plan3"):
         assert planners.split_run(bad) is None, bad
     assert sorted(["eplb", "flexmoe_spare2", "static", "flexmoe_spare2_every5", "flexmoe"],
                   key=planners.run_order) == ["static", "flexmoe", "flexmoe_spare2", "flexmoe_spare2_every5", "eplb"]

@@ -23,8 +23,9 @@ A real-text MoE LM whose routing skews on its own (the embedded corpus, 16 exper
 The runs with replicas (``flexmoe``, ``flexmoe_overlap``, ``flexmoe_hidden``, ``eplb``, ``idle``) also run as
 ``<run>_spare<N>``: with N spare slots per rank instead of their default one (``--moe-placement-spare-slots``), to
 compare planners at equal spare slots or to see what more replicas buy. The runs with a policy also run as
-``<run>_every<K>`` (after any ``_spare<N>``): the policy run every K steps (``--moe-placement-interval``), to
-compare how fast a planner follows the routing against how noisy its verdicts' windows get.
+``<run>_every<K>`` and ``<run>_plan<M>`` (in that order, after any ``_spare<N>``): the policy run every K steps
+(``--moe-placement-interval``), planning from the last M steps' routing (``--moe-placement-plan-steps``), to
+compare how fast a planner follows the routing against how noisy its verdicts' windows and its counts get.
 
 Every rank is a fixed-speed device by default (``--cpu-share auto``: its own CPU cgroup capped at 0.9 x cores /
 ranks), so a loaded rank cannot borrow the cores its idle peers leave; ``--batch-size`` sets the tokens per rank per
@@ -61,7 +62,8 @@ RUNS = ("static", "capacity", "shadow", "shadow_sync", "shadow_overlap", "shadow
 DIAGNOSTIC_RUNS = ("shadow_unguarded", "idle")          # run only when asked: they explain the others' numbers
 # these also run as <run>_spare<N>: N spare slots per rank
 REPLICA_RUNS = ("flexmoe", "flexmoe_overlap", "flexmoe_hidden", "eplb", "idle")
-# these also run as <run>[_spare<N>]_every<K>: the policy run every K steps (--moe-placement-interval)
+# these also run as <run>[_spare<N>][_every<K>][_plan<M>]: the policy run every K steps (--moe-placement-interval),
+# planning from the last M steps' routing (--moe-placement-plan-steps)
 POLICY_RUNS = ("shadow", "shadow_sync", "shadow_overlap", "shadow_unguarded", "flexmoe", "flexmoe_overlap",
                "flexmoe_hidden", "eplb")
 SKEWED = ["--moe-gate", "switch", "--moe-top-k", "1", "--moe-aux-loss-coeff", "0"]
@@ -73,28 +75,29 @@ MODEL = ["--hidden", "256", "--layers", "4", "--heads", "4", "--ffn-hidden", "51
 
 
 def split_run(run: str):
-    """(one of RUNS, spare slots per rank or None, policy interval or None) of a run name:
-    ``flexmoe_overlap_spare2_every5`` is flexmoe_overlap with two spare slots per rank (the placements with
-    replicas only), its policy run every 5 steps (the placements with a policy only); None for a name that is not
-    a run."""
-    found = re.fullmatch(r"(.+?)(?:_spare(\d+))?(?:_every(\d+))?", run)
-    base, spare, every = found[1], found[2], found[3]
+    """(one of RUNS, spare slots per rank or None, policy interval or None, planning steps or None) of a run
+    name: ``flexmoe_overlap_spare2_every5_plan2`` is flexmoe_overlap with two spare slots per rank (the placements
+    with replicas only), its policy run every 5 steps and planning from the last 2 steps' routing (the placements
+    with a policy only); None for a name that is not a run."""
+    found = re.fullmatch(r"(.+?)(?:_spare(\d+))?(?:_every(\d+))?(?:_plan(\d+))?", run)
+    base, spare, every, plan = found[1], found[2], found[3], found[4]
     if base not in RUNS or (spare is not None and (base not in REPLICA_RUNS or int(spare) < 1)) \
-            or (every is not None and (base not in POLICY_RUNS or int(every) < 1)):
+            or any(v is not None and (base not in POLICY_RUNS or int(v) < 1) for v in (every, plan)):
         return None
-    return base, (int(spare) if spare else None), (int(every) if every else None)
+    return base, (int(spare) if spare else None), (int(every) if every else None), (int(plan) if plan else None)
 
 
 def run_order(run: str):
-    base, spare, every = split_run(run)
-    return RUNS.index(base), spare or 0, every or 0
+    base, spare, every, plan = split_run(run)
+    return RUNS.index(base), spare or 0, every or 0, plan or 0
 
 
 def run_flags(run: str, capacity_factor: float) -> List[str]:
-    """The ``megamoe train`` flags of one of RUNS (or ``<run>_spare<N>_every<K>``, ``split_run``)."""
-    base, spare, every = split_run(run)
+    """The ``megamoe train`` flags of one of RUNS (or ``<run>_spare<N>_every<K>_plan<M>``, ``split_run``)."""
+    base, spare, every, plan = split_run(run)
     return (_base_flags(base, capacity_factor) + (["--moe-placement-spare-slots", str(spare)] if spare else [])
-            + (["--moe-placement-interval", str(every)] if every else []))
+            + (["--moe-placement-interval", str(every)] if every else [])
+            + (["--moe-placement-plan-steps", str(plan)] if plan else []))
 
 
 def _base_flags(run: str, capacity_factor: float) -> List[str]:
@@ -272,8 +275,8 @@ def main(argv: Optional[List[str]] = None) -> dict:
     p.add_argument("--runs", default=",".join(r for r in RUNS if r not in DIAGNOSTIC_RUNS),
                    help=f"comma list of {', '.join(RUNS)} (default: all but {', '.join(DIAGNOSTIC_RUNS)}); "
                         f"{', '.join(REPLICA_RUNS)} also as <run>_spare<N>: with N spare slots per rank; "
-                        f"{', '.join(POLICY_RUNS)} also with _every<K> (after any _spare<N>): the policy run "
-                        "every K steps")
+                        f"{', '.join(POLICY_RUNS)} also with _every<K> and _plan<M> (in that order, after any "
+                        "_spare<N>): the policy run every K steps, planning from the last M steps' routing")
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--capacity-factor", type=float, default=1.25)
     p.add_argument("--inter-node-bandwidth", default="100MB/s", help="one value or a comma list (a sweep)")
@@ -307,7 +310,7 @@ def main(argv: Optional[List[str]] = None) -> dict:
     if unknown:
         raise SystemExit(f"megamoe bench planners: --runs {','.join(unknown)}: unknown; known: {','.join(RUNS)}, "
                          f"and {'|'.join(REPLICA_RUNS)} with _spare<N> (N >= 1 spare slots per rank), "
-                         f"{'|'.join(POLICY_RUNS)} with _every<K> (K >= 1 steps between policy runs)")
+                         f"{'|'.join(POLICY_RUNS)} with _every<K> / _plan<M> (K, M >= 1 steps)")
     why = netns.unavailable()
     if why:
         raise SystemExit(f"megamoe bench planners: {why}")
