@@ -433,9 +433,8 @@ def apply_expert_permutation(layer: nn.Module, perm: Sequence[int]) -> None:
                 _gather_rows_ep_(p.grad, perm, ep)
 
     # per-expert state of the layer's plan and placement runtime
-    counts = getattr(runtime, "step_counts", None)
-    if torch.is_tensor(counts) and counts.dim() == 1 and counts.numel() == E:
-        runtime.step_counts = counts.index_select(0, index.to(counts.device))
+    if runtime is not None and hasattr(runtime, "permute_counts"):
+        runtime.permute_counts(index)
     if plan is not None:
         cap = getattr(plan, "expert_capacity", None)
         if cap is not None:

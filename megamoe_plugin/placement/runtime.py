@@ -518,6 +518,14 @@ class PlacementRuntime:
         while len(self.recent) > keep:
             self.recent.popleft()
 
+    def permute_counts(self, index: torch.Tensor) -> None:
+        """Renumber the experts of every per-expert count this runtime holds (the interval's, the step in
+        progress and ``recent``): new expert ``i`` takes old expert ``index[i]``'s counts."""
+        def take(c):
+            return c.index_select(0, index.to(c.device)) if torch.is_tensor(c) and c.dim() == 1 else c
+        self.step_counts, self._step_in_progress = take(self.step_counts), take(self._step_in_progress)
+        self.recent = deque(take(c) for c in self.recent)
+
     def recent_counts(self) -> torch.Tensor:
         """This rank's [E] counts summed over ``recent``, float64 (zeros before the first step closes)."""
         if not self.recent:
