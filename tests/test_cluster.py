@@ -57,9 +57,11 @@ def test_two_nodes_bandwidth_follows_the_shaping(tmp_path):
         assert abs(inter - mbs) <= 0.2 * mbs, (mbs, inter)
         assert intra > 3 * inter                                   # within a node: loopback, unshaped
         seconds[mbs] = json.loads(out.read_text())["seconds"]
-    # 12 MiB over one shaped link per direction: time ~ bytes / bandwidth, so 3x the bandwidth ~ a third of the time
+    # 12 MiB over one shaped link per direction: time ~ bytes / bandwidth, so 3x the bandwidth ~ a third of the time.
+    # The bounds allow tbf's bucket and the scheduler's noise on 2 shared cores (CI measured up to 3.64); unshaped or
+    # unequally shaped links give a ratio near 1.
     ratio = seconds[30] / seconds[90]
-    assert 2.3 < ratio < 3.6, seconds
+    assert 2.3 < ratio < 4.0, seconds
 
 
 @pytest.mark.slow
