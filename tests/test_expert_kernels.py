@@ -158,6 +158,40 @@ def test_bf16_layer_grouped_mm_close_to_fp32_loop():
     assert _rel(y_low, y_ref) < 3e-2
 
 
+def test_bf16_loop_kernel_runs_on_any_cpu_and_stays_close_to_fp32():
+    """The loop kernel in bf16 with --moe-cpu-gemm auto: oneDNN where its linear kernel runs bf16 on this CPU (it
+    needs AVX-512 or AMX), BLAS otherwise; either way forward and backward run and stay within bf16's error."""
+    from megamoe_plugin.experts.loop import onednn_available
+    cfg = MoEConfig(num_experts=6, top_k=2, gate="naive", expert_kernel="loop", cpu_gemm="auto")
+    torch.manual_seed(5)
+    ref = MoELayer(cfg, 16, 24).train()
+    torch.manual_seed(5)
+    low = MoELayer(cfg, 16, 24).to(torch.bfloat16).train()
+    x = torch.randn(48, 16)
+    xr, xl = x.clone().requires_grad_(), x.to(torch.bfloat16).requires_grad_()
+    y_ref, y_low = ref(xr), low(xl)
+    y_ref.square().sum().backward()
+    y_low.float().square().sum().backward()
+    assert _rel(y_low, y_ref) < 3e-2 and _rel(xl.grad, xr.grad) < 5e-2
+    assert _rel(low.experts.w1.grad, ref.experts.w1.grad) < 5e-2
+    assert isinstance(onednn_available(torch.bfloat16), bool)
+
+
+def test_onednn_forced_where_it_cannot_run_the_dtype_names_the_flag(monkeypatch):
+    """A CPU whose oneDNN cannot create the bf16 primitive (stood in for by the per-dtype probe's answer, since
+    this machine's CPU is what it is): auto falls back to BLAS, --moe-cpu-gemm onednn says why and what to use."""
+    from megamoe_plugin.experts import loop
+    if loop._ONEDNN_LINEAR is None:
+        pytest.skip("this torch build has no oneDNN linear kernel")
+    monkeypatch.setitem(loop._ONEDNN_RUNS, torch.bfloat16, False)
+    x = torch.zeros(4, 8, dtype=torch.bfloat16)
+    assert loop._use_onednn(x, "auto") is False
+    assert loop._use_onednn(x.float(), "auto") is loop.onednn_available(torch.float32)
+    with pytest.raises(RuntimeError, match="--moe-cpu-gemm=onednn: oneDNN's linear kernel does not run "
+                                           "torch.bfloat16 on this CPU"):
+        loop._use_onednn(x, "onednn")
+
+
 class _NoHostReads:
     """Fail on any tensor -> host read (tolist / item / bool / int / float) inside the block."""
 

@@ -28,18 +28,34 @@ from .activations import activation_backward as _act_backward, activation_into a
 _ONEDNN_LINEAR = getattr(torch.ops.mkldnn, "_linear_pointwise", None) if torch.backends.mkldnn.is_available() else None
 
 
-def onednn_available() -> bool:
-    return _ONEDNN_LINEAR is not None
+_ONEDNN_RUNS: dict = {}        # dtype -> whether oneDNN's linear kernel runs for it on this CPU
+
+
+def onednn_available(dtype: torch.dtype = torch.float32) -> bool:
+    """Whether oneDNN's linear kernel exists in this torch build and runs ``dtype`` on this CPU: a build can have
+    the kernel while the CPU lacks the instructions for one dtype (bf16 needs AVX-512 or AMX; on an AVX2-only CPU
+    oneDNN cannot create the primitive), so each dtype is tried once on a tiny GEMM."""
+    if _ONEDNN_LINEAR is None:
+        return False
+    if dtype not in _ONEDNN_RUNS:
+        try:
+            _ONEDNN_LINEAR(torch.ones(2, 8, dtype=dtype), torch.ones(4, 8, dtype=dtype), None, "none", [], "")
+            _ONEDNN_RUNS[dtype] = True
+        except RuntimeError:
+            _ONEDNN_RUNS[dtype] = False
+    return _ONEDNN_RUNS[dtype]
 
 
 def _use_onednn(x: torch.Tensor, mode: str) -> bool:
-    """'auto': oneDNN for fp32/bf16 on CPU where the kernel exists (measured on this project's AMD EPYC machines:
-    10-40% faster than MKL's sgemm for the expert shapes); 'onednn' insists; 'blas' never."""
+    """'auto': oneDNN for fp32/bf16 on CPU where its kernel runs that dtype (measured on this project's AMD EPYC
+    machines: 10-40% faster than MKL's sgemm for the expert shapes), else BLAS; 'onednn' insists; 'blas' never."""
     if mode == "blas" or x.device.type != "cpu" or x.dtype not in (torch.float32, torch.bfloat16):
         return False
-    if not onednn_available():
+    if not onednn_available(x.dtype):
         if mode == "onednn":
-            raise RuntimeError("--moe-cpu-gemm=onednn: this torch build has no oneDNN linear kernel")
+            why = ("this torch build has no oneDNN linear kernel" if _ONEDNN_LINEAR is None
+                   else f"oneDNN's linear kernel does not run {x.dtype} on this CPU")
+            raise RuntimeError(f"--moe-cpu-gemm=onednn: {why}; use --moe-cpu-gemm auto or blas")
         return False
     return True
 
