@@ -90,7 +90,8 @@ class MoEConfig:
     cpu_expert_lanes: int = _opt(0, "CPU only: run this many experts side by side, one thread each; 0 = automatic "
                                     "(lanes = intra-op threads when groups are small), 1 = one after another.")
     cpu_gemm: str = _opt("auto", "CPU only: expert GEMMs through oneDNN's linear kernel or BLAS (torch.mm); auto = "
-                                 "oneDNN for fp32/bf16 when this torch has it.", CPU_GEMMS)
+                                 "oneDNN for fp32/bf16 where its kernel runs that dtype on this CPU (bf16 needs "
+                                 "AVX-512 or AMX), else BLAS.", CPU_GEMMS)
     # --- parallelism and topology --------------------------------------------------------------------------------
     expert_parallel_size: int = _opt(1, "Ranks the experts are sharded over (the expert-parallel group size).")
     world_size: int = _opt(0, "Ranks in the job; 0 = from the launcher (WORLD_SIZE), else 1.")
