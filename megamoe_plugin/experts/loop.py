@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import os
 from concurrent.futures import ThreadPoolExecutor
-from typing import List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -28,7 +28,7 @@ from .activations import activation_backward as _act_backward, activation_into a
 _ONEDNN_LINEAR = getattr(torch.ops.mkldnn, "_linear_pointwise", None) if torch.backends.mkldnn.is_available() else None
 
 
-_ONEDNN_RUNS: dict = {}        # dtype -> whether oneDNN's linear kernel runs for it on this CPU
+_ONEDNN_RUNS: Dict[torch.dtype, bool] = {}     # per dtype: whether oneDNN's linear kernel runs it on this CPU
 
 
 def onednn_available(dtype: torch.dtype = torch.float32) -> bool:

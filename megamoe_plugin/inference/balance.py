@@ -433,7 +433,7 @@ def apply_expert_permutation(layer: nn.Module, perm: Sequence[int]) -> None:
                 _gather_rows_ep_(p.grad, perm, ep)
 
     # per-expert state of the layer's plan and placement runtime
-    if runtime is not None and hasattr(runtime, "permute_counts"):
+    if runtime is not None:
         runtime.permute_counts(index)
     if plan is not None:
         cap = getattr(plan, "expert_capacity", None)
