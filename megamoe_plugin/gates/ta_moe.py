@@ -24,6 +24,13 @@ The loss (the authors' release, reweighted GShard loss): for source rank i with 
 choices and mean probabilities m_e, ``loss = E * sum_e w_e * f_e * m_e`` with w_e = (1/E) / c_hat_ie, where
 c_hat_ie = c_hat_i,rank(e) / (experts per rank). Its balance point is f_e proportional to c_hat_ie (a GShard
 loss is balanced when w_e * f_e is equal across experts); with a uniform c_hat it is exactly the GShard loss.
+
+The loss steers every choice alike: each token's first expert drifts toward the source's node as much as its
+second, which costs quality per step in short runs (docs/topology-gates.md). ``ta_moe_later_choice_bias`` = s
+moves the steering onto the later choices: the first choice stays the router's argmax; choice j > 1 maximises
+log p_e + s * log(E * c_hat_ie) over the experts not yet chosen (a prior that is 1 for an expert at its balanced
+share). The same target then needs less pressure on the router, and the combine weights stay the router's
+probabilities. s = 0 (default) is the released loss alone.
 """
 from __future__ import annotations
 
@@ -92,6 +99,18 @@ class TopologyAwareGate(Gate):
         target = (row / row.sum()).float()                        # c_hat_ie: fraction per expert, sums to 1
         self.register_buffer("target", target, persistent=False)
         self.register_buffer("loss_weight", (1.0 / cfg.num_experts) / target, persistent=False)
+        # log prior of the later choices: s * log(E * c_hat_ie), 0 for an expert at its balanced share
+        self.register_buffer("later_choice_prior",
+                             cfg.ta_moe_later_choice_bias * torch.log(target * cfg.num_experts), persistent=False)
+
+    @classmethod
+    def validate_config(cls, cfg) -> None:
+        super().validate_config(cfg)
+        from ..config import ConfigError, flag
+        if cfg.ta_moe_later_choice_bias > 0 and cfg.top_k < 2:
+            raise ConfigError(f"{flag('ta_moe_later_choice_bias')}={cfg.ta_moe_later_choice_bias}: steers the "
+                              f"choices after the first, and {flag('top_k')}={cfg.top_k} has none; use top-k >= 2 "
+                              "or leave it at 0")
 
     @classmethod
     def check_options(cls, cfg, topology):
@@ -109,7 +128,14 @@ class TopologyAwareGate(Gate):
         return []
 
     def select(self, logits, probs):
-        ids = torch.topk(probs, self.top_k, dim=-1).indices
+        if self.cfg.ta_moe_later_choice_bias > 0 and self.top_k > 1:
+            first = probs.argmax(-1, keepdim=True)                                     # [T, 1]
+            scores = torch.log(probs.clamp_min(1e-20)) + self.later_choice_prior       # [T, E]
+            scores = scores.scatter(1, first, float("-inf"))
+            later = torch.topk(scores, self.top_k - 1, dim=-1).indices                 # [T, k-1]
+            ids = torch.cat([first, later], dim=1)
+        else:
+            ids = torch.topk(probs, self.top_k, dim=-1).indices
         return ids, torch.ones_like(ids, dtype=torch.bool)
 
     def balance_loss(self, probs, expert_ids, kept):
