@@ -183,3 +183,18 @@ def test_bench_capacity_summary_and_domination():
         main(["--configs", "CF=3"])
     with pytest.raises(SystemExit, match="--seeds"):
         main(["--seeds", "x"])
+
+
+def test_bench_gates_configs_carry_gate_options():
+    from megamoe_plugin.bench.gates import _flags, config_flags
+    assert config_flags("gshard") == ["--moe-gate", "gshard", "--moe-gate-sync", "all"]
+    assert config_flags("ta_moe:average:50+ta-moe-later-choice-bias=1+ta-moe-smoothing=0.3") == [
+        "--moe-gate", "ta_moe", "--moe-gate-sync", "average:50", "--moe-ta-moe-later-choice-bias", "1",
+        "--moe-ta-moe-smoothing", "0.3"]
+    with pytest.raises(SystemExit, match="later-choice-bias"):
+        config_flags("ta_moe:local+later-choice-bias")
+    # --train-args come after the bench's model, so argparse keeps theirs
+    flags = _flags("hir", 4, 10, "/tmp/x", ["--batch-size", "16", "--seed", "2"])
+    from megamoe_plugin.train import build_parser
+    args = build_parser().parse_args(flags[2:])
+    assert (args.batch_size, args.seed, args.moe_gate) == (16, 2, "hir")

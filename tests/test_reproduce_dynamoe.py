@@ -17,6 +17,7 @@ from megamoe_plugin import reproduce
 from megamoe_plugin.reproduce.common import parse_markdown_table
 from reproduce_checks import check_tables_and_figures
 
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RUNS = ["static CF=1", "static CF=2", "static CF=4", "static no-drop", "dynamic", "dynamic spread=0",
         "dynamic q=0.9", "dynamic+cache"]
 
@@ -190,3 +191,31 @@ def test_fig9_over_seeds_spans_each_seeds_own_run(tmp_path):
         # seed 0 is one of the seeds: its own run's loss lies inside the range
         assert loss_lo - 1e-3 <= float(single[name]["final valid loss"]) <= loss_hi + 1e-3, (name, row, single[name])
     assert seeds["static no-drop"]["speedup vs no-drop (step)"].startswith("1 (1-1)")
+
+
+def test_static_curve_is_interpolated_between_its_points():
+    from megamoe_plugin.reproduce.dynamoe_cluster import static_step_at
+    summary = {"CF=1.0": {"dropped": [0.6, 0.0], "step_seconds": [0.4, 0.0]},
+               "CF=2.0": {"dropped": [0.4, 0.0], "step_seconds": [0.5, 0.0]},
+               "dropless": {"dropped": [0.0, 0.0], "step_seconds": [0.9, 0.0]},
+               "dynamic": {"dropped": [0.3, 0.0], "step_seconds": [0.1, 0.0]}}   # not part of the curve
+    assert static_step_at(summary, 0.5) == pytest.approx(0.45)
+    assert static_step_at(summary, 0.2) == pytest.approx(0.7)
+    assert static_step_at(summary, 0.7) is None
+
+
+def test_cluster_table_from_the_shipped_fixed_speed_results(tmp_path):
+    import megamoe_plugin.reproduce.dynamoe_cluster  # noqa: F401  (the module under test)
+    shipped = os.path.join(REPO, "docs", "data", "bench_capacity_fixed_speed.json")
+    res = reproduce.dynamoe_cluster.load(shipped)
+    table = reproduce.dynamoe_cluster.cluster_table(res)
+    path = table.write(str(tmp_path))
+    rows = {r["config"]: r for r in parse_markdown_table(open(path).read())}
+    # q=0.9 drops 0.2587 at 564.1 ms; the static curve there lies between dropless (0 dropped, 663.8 ms) and
+    # CF=4.0 (0.2606, 522.9 ms): 663.8 - 140.9 * 0.2587 / 0.2606 = 523.9 ms, so 523.9 / 564.1 = 0.929
+    assert float(rows["dynamic q=0.9"]["static step at equal drops / this"]) == pytest.approx(0.929, abs=0.005)
+    assert rows["CF=4.0"]["static step at equal drops / this"] in ("", "-")
+    assert rows["dropless"]["source"].startswith("measured, emulated cluster: 2 nodes x 2, fixed-speed ranks "
+                                                 "(0.45 core each), inter-node 100 MB/s, 512 tokens per rank")
+    with pytest.raises(SystemExit, match="--cluster-results"):
+        reproduce.dynamoe_cluster.load(str(tmp_path / "missing"))

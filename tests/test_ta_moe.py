@@ -47,3 +47,32 @@ def test_uniform_topology_gives_the_gshard_loss():
     f = torch.bincount(r.expert_ids.reshape(-1), minlength=4).double() / r.expert_ids.numel()
     want = 4 * (f * probs.mean(0).double()).sum()
     assert torch.allclose(r.aux_losses["balance"].double(), want, atol=1e-6)
+
+
+def _later_choice_gate(bias):
+    cfg = MoEConfig(gate="ta_moe", num_experts=8, top_k=2, world_size=4, topology="[[0,1],[2,3]]",
+                    topology_bandwidth_gbps="4,1", topology_latency_us="0,0", aux_loss_coeff=0.01,
+                    expert_parallel_size=4, ta_moe_later_choice_bias=bias)
+    return build_gate(cfg, 32, ep=ExpertParallel.layout(0, [0, 1, 2, 3]))
+
+
+def test_later_choice_bias_keeps_the_first_choice_and_moves_the_second_on_node():
+    torch.manual_seed(0)
+    probs = torch.softmax(torch.randn(4096, 8), -1)
+    plain, _ = _later_choice_gate(0.0).select(None, probs)
+    biased, kept = _later_choice_gate(1.0).select(None, probs)
+    assert kept.all()
+    # the first choice is the router's argmax for every token, and the second is another expert
+    assert torch.equal(biased[:, 0], probs.argmax(-1))
+    assert (biased[:, 1] != biased[:, 0]).all()
+    # rank 0 sits on node 0 with experts 0-3: random probabilities send half the second choices off-node, the
+    # prior (4:1 links) far fewer
+    off_plain = (plain[:, 1] >= 4).double().mean()
+    off_biased = (biased[:, 1] >= 4).double().mean()
+    assert 0.4 < off_plain < 0.6
+    assert off_biased < 0.5 * off_plain
+    # where one expert dominates a token's probabilities, the prior does not override it
+    sharp = torch.full((1, 8), 0.001)
+    sharp[0, 6], sharp[0, 7] = 0.6, 0.394
+    ids, _ = _later_choice_gate(1.0).select(None, sharp / sharp.sum())
+    assert ids.tolist() == [[6, 7]]

@@ -5,7 +5,9 @@ For each topology (2 nodes x 2, and an asymmetric 3 nodes of 2+1+1 ranks; inter-
 intra-node ones by default) and each gate configuration (gshard; ta_moe with gate sync all / local / average:K;
 hir), ``megamoe train`` trains the same MoE GPT from the same seed and data under ``megamoe cluster run``, every rank
 a fixed-speed device by default (``--cpu-share auto``: its own CPU cgroup), ``--train-rounds`` rounds interleaved
-(the row is the round with the median step; every round's step and loss kept). Per run:
+(the row is the round with the median step; every round's step and loss kept). A configuration may carry gate
+options after ``+`` (``ta_moe:local+ta-moe-later-choice-bias=1`` adds ``--moe-ta-moe-later-choice-bias 1``), and
+``--train-args`` changes the model or data for every run (``"--batch-size 16 --moe-every 2 --seed 1"``). Per run:
 
 - the off-node share of the dispatched assignments (routing trace, last quarter of training; for ta_moe its target
   from the derived pattern), and the MoE inter-node bytes per step that implies (computed from the trace:
@@ -25,7 +27,8 @@ import os
 import statistics
 import sys
 import time
-from typing import Dict, List, Optional
+import shlex
+from typing import Dict, List, Optional, Sequence
 
 import torch
 
@@ -48,12 +51,29 @@ MODEL = ["--hidden", "256", "--layers", "4", "--heads", "4", "--ffn-hidden", "51
          "--corpus-bytes", "1000000", "--eval-batches", "8", "--seed", "0"]
 
 
-def _flags(config: str, world: int, steps: int, out: str) -> List[str]:
-    gate, _, sync = config.partition(":")
-    return (["megamoe", "train", *MODEL, "--steps", str(steps), "--eval-interval", str(max(steps // 8, 1)),
-             "--log-interval", str(max(steps // 20, 1)), "--moe-gate", gate, "--moe-gate-sync", sync or "all",
+def config_flags(config: str) -> List[str]:
+    """``gate[:sync][+option=value...]`` as megamoe train flags (the options are --moe-<option>)."""
+    base, *options = config.split("+")
+    gate, _, sync = base.partition(":")
+    flags = ["--moe-gate", gate, "--moe-gate-sync", sync or "all"]
+    for opt in options:
+        name, eq, value = opt.partition("=")
+        if not eq or not name:
+            raise SystemExit(f"megamoe bench gates: --configs {config!r}: {opt!r} is not option=value")
+        flags += [f"--moe-{name}", value]
+    return flags
+
+
+def _flags(config: str, world: int, steps: int, out: str, train_args: Sequence[str] = ()) -> List[str]:
+    return (["megamoe", "train", *MODEL, *train_args, "--steps", str(steps), "--eval-interval",
+             str(max(steps // 8, 1)), "--log-interval", str(max(steps // 20, 1)), *config_flags(config),
              "--moe-expert-parallel-size", str(world), "--trace", os.path.join(out, "trace"),
              "--metrics-json", os.path.join(out, "metrics.json")])
+
+
+def _flag_value(flags: Sequence[str], name: str) -> str:
+    """The last value given to ``name`` (argparse keeps the last)."""
+    return flags[len(flags) - 1 - flags[::-1].index(name) + 1]
 
 
 def off_node_share(counts: torch.Tensor, groups: List[List[int]], last_fraction: float = 0.25) -> float:
@@ -92,14 +112,15 @@ def time_to(evals: List[dict], target: float) -> Optional[float]:
 
 
 def run_config(topology: str, config: str, steps: int, inter: float, intra: float, out: str, port: int,
-               cpu_share: str = "off") -> dict:
+               cpu_share: str = "off", train_args: Sequence[str] = ()) -> dict:
     from ..stats import load_trace
     nodes, procs = TOPOLOGIES[topology]
     groups = [[0, 1], [2, 3]] if topology == "2x2" else [[0, 1], [2], [3]]
     world = sum(len(g) for g in groups)
     os.makedirs(out, exist_ok=True)
     t0 = time.time()
-    code = run_job(_flags(config, world, steps, out), nodes, procs, inter, intra, master_port=port,
+    flags = _flags(config, world, steps, out, train_args)
+    code = run_job(flags, nodes, procs, inter, intra, master_port=port,
                    log_dir=os.path.join(out, "logs"), timeout=3600, echo=lambda line: None, say=lambda t: None,
                    cpu_shares=cpu_caps.bench_shares(cpu_share, world, "megamoe bench gates"))
     if code:
@@ -113,8 +134,9 @@ def run_config(topology: str, config: str, steps: int, inter: float, intra: floa
     share = off_node_share(counts, groups)
     S, L = counts.shape[:2]
     assignments_per_step = float(counts.sum()) / S
-    hidden = int(MODEL[MODEL.index("--hidden") + 1])
-    step_times = [world * 8 * 64 / h["tokens_per_s"] for h in m["history"][1:]]
+    hidden = int(_flag_value(flags, "--hidden"))
+    tokens = world * int(_flag_value(flags, "--batch-size")) * int(_flag_value(flags, "--seq-len"))
+    step_times = [tokens / h["tokens_per_s"] for h in m["history"][1:]]
     sent = sum(v["sent"] for v in net["nodes"].values())
     return {"topology": topology, "config": config, "off_node_share": share,
             "moe_inter_bytes_per_step": share * assignments_per_step * hidden * 4 * 4,
@@ -186,6 +208,8 @@ def main(argv: Optional[List[str]] = None) -> dict:
                    "config once, interleaved (medians and spread reported)")
     p.add_argument("--cpu-share", default="auto", help="each rank's CPU share in cores (megamoe cluster run "
                    "--cpu-share): auto (fixed-speed ranks, the default), off, one value or one per rank")
+    p.add_argument("--train-args", default="", help="megamoe train flags added to every run's model and data "
+                   "(e.g. \"--batch-size 16 --moe-every 2 --seed 1\")")
     p.add_argument("--out", default="results/bench_gates", help="runs, traces, logs and results.json")
     p.add_argument("--table1-worker", default=None, help=argparse.SUPPRESS)
     p.add_argument("--rounds", type=int, default=3, help=argparse.SUPPRESS)
@@ -230,6 +254,10 @@ def main(argv: Optional[List[str]] = None) -> dict:
                                     / res["measured"]["plain"], "upper_bound": res["upper_bound"]})
         print(f"[bench gates] smart schedule {case}: plain / smart {res['measured_ratio']:.3f}", flush=True)
     configs = [c for c in args.configs.split(",") if c]
+    train_args = shlex.split(args.train_args)
+    for c in configs:
+        config_flags(c)                                              # a malformed option fails before any run
+    results["train_args"] = train_args
     for topology in filter(None, args.topologies.split(",")):
         rounds: Dict[str, List[dict]] = {c: [] for c in configs}
         for k in range(args.train_rounds):
@@ -238,7 +266,7 @@ def main(argv: Optional[List[str]] = None) -> dict:
                 print(f"[bench gates] {topology} round {k + 1} {config} ({i + 1}/{len(configs)}) ...", flush=True)
                 run = run_config(topology, config, args.steps, inter, intra,
                                  os.path.join(args.out, topology, f"round{k}", config.replace(":", "_")),
-                                 29810 + 2 * i, args.cpu_share)
+                                 29810 + 2 * i, args.cpu_share, train_args)
                 rounds[config].append(run)
                 print(f"[bench gates] {topology} {config}: off-node share {run['off_node_share']:.3f}, step "
                       f"{run['step_seconds'] * 1e3:.0f} ms, link {run['link_bytes_per_step'] / 1e6:.1f} MB/step, "

@@ -31,17 +31,19 @@ def main(argv: Optional[List[str]] = None) -> dict:
     p.add_argument("--out", default=None, help="output folder (default: results/<paper>)")
     p.add_argument("--cluster-results", default=None, metavar="DIR",
                    help="tamoe, fastermoe: add the rows measured on the emulated cluster by `megamoe bench gates "
-                        "--out DIR`; flexmoe: by `megamoe bench planners --out DIR` (Fig. 5)")
+                        "--out DIR`; flexmoe: by `megamoe bench planners --out DIR` (Fig. 5); dynamoe: a comma "
+                        "list of `megamoe bench capacity` results (folders or results.json files)")
     p.add_argument("--seeds", type=int, default=None, metavar="N",
                    help="dynamoe: run Fig. 9 over N seeds (default 3 in full mode, 1 with --fast)")
     args = p.parse_args(argv)
     if args.seeds is not None and (args.paper != "dynamoe" or args.seeds < 1):
         p.error("--seeds: a number >= 1, for dynamoe only")
     mod = importlib.import_module(f"{__name__}.{args.paper}")
-    if args.paper == "dynamoe" and args.seeds:
-        return mod.run(args.out or f"results/{args.paper}", args.fast, seeds=args.seeds)
-    if args.cluster_results and args.paper not in ("tamoe", "fastermoe", "flexmoe"):
-        p.error("--cluster-results: for tamoe, fastermoe and flexmoe only")
+    if args.cluster_results and args.paper not in ("tamoe", "fastermoe", "flexmoe", "dynamoe"):
+        p.error("--cluster-results: for tamoe, fastermoe, flexmoe and dynamoe only")
+    if args.paper == "dynamoe":
+        return mod.run(args.out or f"results/{args.paper}", args.fast, seeds=args.seeds,
+                       cluster_results=args.cluster_results)
     if args.cluster_results:
         return mod.run(args.out or f"results/{args.paper}", args.fast, cluster_results=args.cluster_results)
     return mod.run(args.out or f"results/{args.paper}", args.fast)

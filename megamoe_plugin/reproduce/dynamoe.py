@@ -433,8 +433,12 @@ def figure9_seeds(results: List[dict]):
     return fig
 
 
-def run(out_dir: str, fast: bool, log=print, seed: int = 0, seeds: Optional[int] = None) -> dict:
-    """``seeds``: how many seeds Fig. 9 runs (from ``seed`` on); default 1 in fast mode, 3 in full mode."""
+def run(out_dir: str, fast: bool, log=print, seed: int = 0, seeds: Optional[int] = None,
+        cluster_results: Optional[str] = None) -> dict:
+    """``seeds``: how many seeds Fig. 9 runs (from ``seed`` on); default 1 in fast mode, 3 in full mode.
+    ``cluster_results``: comma list of `megamoe bench capacity` results (folders or files) for the cluster table."""
+    from . import dynamoe_cluster
+    cluster = dynamoe_cluster.load(cluster_results)          # a bad path fails before anything is measured
     from ..bench import dynamic as bench
 
     setting = dict(bench.SETTINGS["quick" if fast else "default"])
@@ -458,6 +462,7 @@ def run(out_dir: str, fast: bool, log=print, seed: int = 0, seeds: Optional[int]
     regime = bench.run(dict(setting, **CACHING[key]), seed=seed, log=log, only=CACHE_RUNS,
                        min_epoch=CACHING_MIN_EPOCH[key])
     tables.append(caching_table(regime))
+    tables.append(dynamoe_cluster.cluster_table(cluster))
     figures.append(save_figure(figure10(regime), out_dir, "fig10_caching_regime"))
     if n > 1:
         figures.append(save_figure(figure9_seeds(results), out_dir, "fig9_seeds"))
