@@ -198,3 +198,11 @@ def test_bench_gates_configs_carry_gate_options():
     from megamoe_plugin.train import build_parser
     args = build_parser().parse_args(flags[2:])
     assert (args.batch_size, args.seed, args.moe_gate) == (16, 2, "hir")
+
+
+def test_bench_gates_prediction_prices_the_saved_inter_node_bytes_on_the_uplinks():
+    from megamoe_plugin.bench.gates import predicted_step
+    base = {"step_seconds": 0.7, "moe_inter_bytes_per_step": 30e6}
+    # 20 MB fewer across nodes, half on each of 2 uplinks at 100 MB/s: 0.1 s less
+    assert predicted_step(base, {"moe_inter_bytes_per_step": 10e6}, 2, 100e6) == pytest.approx(0.6)
+    assert predicted_step(base, base, 2, 100e6) == pytest.approx(0.7)

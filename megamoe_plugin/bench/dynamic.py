@@ -1,5 +1,7 @@
 """`megamoe bench dynamic`: DynaMoE's runtime/quality trade-off (paper 000 §5.1 Fig. 6, §5.2 Fig. 9) and the
-cached fraction over training (§5.3 Fig. 10), measured on this CPU.
+cached fraction over training (§5.3 Fig. 10), measured on this CPU in one process (no all-to-all: every run's
+experts are local, so the trade-off shows in the compute alone; ``megamoe bench capacity`` measures it with expert
+parallelism over 2 nodes on fixed-speed ranks).
 
 What. One real-text language model (``models.TinyMoEGPT``, byte tokens of the embedded corpus as ``megamoe train``
 uses; Switch top-1 gate, E = 8 experts) trained eight times with the same seed, initial weights, data and steps,
@@ -308,7 +310,9 @@ def report(res: dict) -> str:
              f"by step; machine load average {s['load_avg'][0]:.1f} at the start, {s['load_avg'][1]:.1f} at the "
              f"end; {s['wall_s']:.0f} s in all.",
              f"no-drop = static CF = E/k = {E / k:g}: every expert's buffer holds all tokens, nothing can be dropped. "
-             f"Validation loss: nats/token on {s['valid']} held-out sequences, dropless evaluation for every run.", "",
+             f"Validation loss: nats/token on {s['valid']} held-out sequences, dropless evaluation for every run.",
+             "One process, no exchange: the same trade-off with expert parallelism over a slow link, on fixed-speed "
+             "ranks, is `megamoe bench capacity` (root; BENCHMARKS.md).", "",
              "| run | avg capacity factor | dropped | recompilations | MoE layers ms/step (fwd+bwd) | step ms | "
              "train s | final valid loss | best (epoch) |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in res["runs"]:

@@ -14,7 +14,9 @@ options after ``+`` (``ta_moe:local+ta-moe-later-choice-bias=1`` adds ``--moe-ta
   assignments x hidden x 4 bytes x 4 exchanges per step);
 - the job's inter-node traffic per step, measured on the links (veth counters; every collective included);
 - the measured step time (median of the log lines after the first), the validation loss at the end, and the
-  training time to a target validation loss (the worst of the runs' best losses, so every run reaches it).
+  training time to a target validation loss (the worst of the runs' best losses, so every run reaches it);
+- beside the step, the alpha-beta model's prediction (``predicted_step``): gshard's measured step less the time
+  the run's fewer MoE inter-node bytes take on the shaped uplinks.
 
 ``table1`` measures TA-MoE's Table 1 for real: device 0 sends 128 MB split evenly (1/4 each) or by the derived
 uneven pattern over the shaped links, in interleaved rounds.
@@ -286,6 +288,14 @@ def _median_round(rounds: List[dict]) -> dict:
     return row
 
 
+def predicted_step(base: dict, run: dict, nodes: int, inter_bandwidth: float) -> float:
+    """The alpha-beta model's step for ``run``: gshard's measured step less the time its extra MoE inter-node
+    bytes take on the shaped links. Each node's uplink carries about 1/nodes of the bytes that cross nodes (both
+    directions are shaped alike), and the exchanges are not overlapped with compute."""
+    saved = base["moe_inter_bytes_per_step"] - run["moe_inter_bytes_per_step"]
+    return base["step_seconds"] - saved / nodes / inter_bandwidth
+
+
 def _finish(results: dict, args) -> None:
     by_topo: Dict[str, List[dict]] = {}
     for r in results["runs"]:
@@ -294,11 +304,14 @@ def _finish(results: dict, args) -> None:
         target = max(min(e["loss"] for e in r["evals"]) for r in runs)
         groups = [[0, 1], [2, 3]] if topology == "2x2" else [[0, 1], [2], [3]]
         bw = [results["shaping"]["intra"] / 1e9, results["shaping"]["inter"] / 1e9]
+        base = next((r for r in runs if r["config"] == "gshard"), None)
         for r in runs:
             r["target_loss"] = target
             r["time_to_target"] = time_to(r["evals"], target)
             if r["config"].startswith("ta_moe"):
                 r["target_off_node_share"] = target_share(groups, bw)
+            if base is not None:
+                r["predicted_step_seconds"] = predicted_step(base, r, len(groups), results["shaping"]["inter"])
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "results.json"), "w") as f:
         json.dump(results, f, indent=1)
@@ -307,13 +320,14 @@ def _finish(results: dict, args) -> None:
 
 def format_results(results: dict) -> str:
     lines = [f"{'topology':<7} {'config':<18} {'off-node':>8} {'target':>7} {'MoE inter MB/step':>17} "
-             f"{'link MB/step':>12} {'step ms':>8} {'valid loss':>10} {'time to target':>14}"]
+             f"{'link MB/step':>12} {'step ms':>8} {'predicted':>9} {'valid loss':>10} {'time to target':>14}"]
     for r in results["runs"]:
         tgt = f"{r['target_off_node_share']:.3f}" if "target_off_node_share" in r else "-"
         ttt = f"{r['time_to_target']:.1f}s" if r.get("time_to_target") is not None else "not reached"
+        pred = f"{r['predicted_step_seconds'] * 1e3:.0f}" if r.get("predicted_step_seconds") else "-"
         lines.append(f"{r['topology']:<7} {r['config']:<18} {r['off_node_share']:>8.3f} {tgt:>7} "
                      f"{r['moe_inter_bytes_per_step'] / 1e6:>17.2f} {r['link_bytes_per_step'] / 1e6:>12.2f} "
-                     f"{r['step_seconds'] * 1e3:>8.0f} {r['final_valid_loss']:>10.4f} {ttt:>14}")
+                     f"{r['step_seconds'] * 1e3:>8.0f} {pred:>9} {r['final_valid_loss']:>10.4f} {ttt:>14}")
     return "\n".join(lines)
 
 
