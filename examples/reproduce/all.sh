@@ -4,7 +4,7 @@
 # docs/results.md under "Summary" and "Discussion" is kept (written by hand after reading the numbers); the rest is
 # regenerated. The emulated cluster's measured rows come from the shipped results of `megamoe bench gates` and
 # `megamoe bench planners` (docs/data/; re-measure them with root, see docs/cluster.md, and point CLUSTER_GATES /
-# CLUSTER_PLANNERS at the new folders). DynaMoE's Fig. 7 comes from examples/dynamic/spec_vs_coop.py.
+# CLUSTER_PLANNERS at the new folders), DynaMoE's from `megamoe bench capacity` (CLUSTER_CAPACITY, a comma list). DynaMoE's Fig. 7 comes from examples/dynamic/spec_vs_coop.py.
 # The time it took last is printed at the end and written under docs/results.md's title.
 #   examples/reproduce/all.sh                 # all papers
 #   PAPERS="tamoe dynamoe" examples/reproduce/all.sh
@@ -14,6 +14,7 @@ PAPERS=${PAPERS:-"tamoe fastermoe flexmoe dynamoe deployment"}
 OUT=${OUT:-results}
 CLUSTER_GATES=${CLUSTER_GATES:-docs/data/bench_gates}
 CLUSTER_PLANNERS=${CLUSTER_PLANNERS:-docs/data/bench_planners_fixed_speed/fig5}
+CLUSTER_CAPACITY=${CLUSTER_CAPACITY:-docs/data/bench_capacity_fixed_speed.json,docs/data/bench_capacity_2048/results.json}
 mkdir -p "$OUT"
 START=$(date +%s)
 for p in $PAPERS; do
@@ -21,6 +22,7 @@ for p in $PAPERS; do
   case $p in
     tamoe|fastermoe) extra=(--cluster-results "$CLUSTER_GATES") ;;
     flexmoe) extra=(--cluster-results "$CLUSTER_PLANNERS") ;;
+    dynamoe) extra=(--cluster-results "$CLUSTER_CAPACITY") ;;
     *) extra=() ;;
   esac
   megamoe reproduce "$p" --out "$OUT/$p" "${extra[@]}" | tee "$OUT/$p.log"
