@@ -26,10 +26,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import statistics
 import sys
 import time
-import shlex
 from typing import Dict, List, Optional, Sequence
 
 import torch

@@ -26,11 +26,11 @@ c_hat_ie = c_hat_i,rank(e) / (experts per rank). Its balance point is f_e propor
 loss is balanced when w_e * f_e is equal across experts); with a uniform c_hat it is exactly the GShard loss.
 
 The loss steers every choice alike: each token's first expert drifts toward the source's node as much as its
-second, which costs quality per step in short runs (docs/topology-gates.md). ``ta_moe_later_choice_bias`` = s
+second, which can cost quality per step (docs/topology-gates.md measures both). ``ta_moe_later_choice_bias`` = s
 moves the steering onto the later choices: the first choice stays the router's argmax; choice j > 1 maximises
-log p_e + s * log(E * c_hat_ie) over the experts not yet chosen (a prior that is 1 for an expert at its balanced
-share). The same target then needs less pressure on the router, and the combine weights stay the router's
-probabilities. s = 0 (default) is the released loss alone.
+log p_e + s * log(E * c_hat_ie) over the experts not yet chosen (a multiplicative prior (E * c_hat_ie)^s on the
+probabilities, 1 for an expert at its balanced share). The same target then needs less pressure on the router,
+and the combine weights stay the router's probabilities. s = 0 (default) is the released loss alone.
 """
 from __future__ import annotations
 
