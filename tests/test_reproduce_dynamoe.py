@@ -215,6 +215,7 @@ def test_cluster_table_from_the_shipped_fixed_speed_results(tmp_path):
     # CF=4.0 (0.2606, 522.9 ms): 663.8 - 140.9 * 0.2587 / 0.2606 = 523.9 ms, so 523.9 / 564.1 = 0.929
     assert float(rows["dynamic q=0.9"]["static step at equal drops / this"]) == pytest.approx(0.929, abs=0.005)
     assert rows["CF=4.0"]["static step at equal drops / this"] in ("", "-")
+    assert rows["dynamic capacity vs the no-drop static factor, same accuracy"]["source"] == "paper"
     assert rows["dropless"]["source"].startswith("measured, emulated cluster: 2 nodes x 2, fixed-speed ranks "
                                                  "(0.45 core each), inter-node 100 MB/s, 512 tokens per rank")
     with pytest.raises(SystemExit, match="--cluster-results"):
