@@ -42,14 +42,19 @@ def load(paths: Optional[str]) -> List[dict]:
     return out
 
 
+def _tokens_per_rank(setup: dict) -> Optional[str]:
+    found = re.search(r"(\d+) tokens per rank", setup.get("label", ""))
+    return found.group(1) if found else None
+
+
 def source_label(setup: dict) -> str:
     """'measured, emulated cluster: 2 nodes x 2, fixed-speed ranks (0.45 core each), inter-node 100 MB/s, ...'."""
-    tokens = re.search(r"(\d+) tokens per rank", setup.get("label", ""))
+    tokens = _tokens_per_rank(setup)
     seeds = setup.get("seeds") or []
     parts = ["measured, emulated cluster: 2 nodes x 2", cpu_caps.source_label(setup.get("cpu_shares")),
              f"inter-node {setup['inter_node_bandwidth'] / 1e6:.0f} MB/s"]
     if tokens:
-        parts.append(f"{tokens.group(1)} tokens per rank")
+        parts.append(f"{tokens} tokens per rank")
     parts.append(f"{setup.get('steps')} steps, {len(seeds)} seed{'s' if len(seeds) != 1 else ''}")
     return ", ".join(parts)
 
@@ -81,8 +86,8 @@ def cluster_table(results: List[dict]) -> Table:
         return t
     for res in results:
         summary, setup = res["summary"], res["setup"]
-        tokens = re.search(r"(\d+) tokens per rank", setup.get("label", ""))
-        setting = f"{tokens.group(1)} tokens per rank" if tokens else "-"
+        tokens = _tokens_per_rank(setup)
+        setting = f"{tokens} tokens per rank" if tokens else "-"
         label = source_label(setup)
         for name, s in summary.items():
             ratio = None
