@@ -19,6 +19,7 @@ from typing import Dict, List, Optional
 
 from ..cluster import cpu_caps
 from .common import PAPER, Table
+from .dynamoe import interp
 
 __all__ = ["load", "cluster_table", "static_step_at", "source_label", "HOW"]
 
@@ -62,12 +63,8 @@ def source_label(setup: dict) -> str:
 def static_step_at(summary: Dict[str, dict], dropped: float) -> Optional[float]:
     """The static curve's step time (s) at a dropped fraction: linear between the neighbouring static points
     (CF=* and dropless at 0 drops), None outside their range."""
-    pts = sorted((s["dropped"][0], s["step_seconds"][0]) for name, s in summary.items()
-                 if name.startswith("CF=") or name == "dropless")
-    for (d0, t0), (d1, t1) in zip(pts, pts[1:]):
-        if d0 <= dropped <= d1:
-            return t0 if d1 == d0 else t0 + (t1 - t0) * (dropped - d0) / (d1 - d0)
-    return None
+    return interp([(s["dropped"][0], s["step_seconds"][0]) for name, s in summary.items()
+                   if name.startswith("CF=") or name == "dropless"], dropped)
 
 
 def _pm(mean_sd, scale: float = 1.0, digits: int = 3) -> str:
