@@ -89,6 +89,15 @@ class Table:
         return path
 
 
+def interp(points, x: float) -> Optional[float]:
+    """Piecewise-linear y(x) through ``points`` [(x, y)] (sorted here), None outside their x range."""
+    pts = sorted(points)
+    for (x0, y0), (x1, y1) in zip(pts, pts[1:]):
+        if x0 <= x <= x1:
+            return y0 if x1 == x0 else y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+    return None
+
+
 def parse_markdown_table(text: str) -> List[Dict[str, str]]:
     """The rows of the first markdown table in `text` as {column: cell text}."""
     lines = [l.strip() for l in text.splitlines() if l.strip().startswith("|")]

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from typing import Dict, List, Optional
 
-from .common import mark_fast, PAPER, Table, header, print_tables, save_figure
+from .common import interp, mark_fast, PAPER, Table, header, print_tables, save_figure
 
 __all__ = ["PAPER_NUMBERS", "run", "tables_from_results", "interp_static_drop", "interp", "tradeoff_table",
            "capacity_table", "caching_table"]
@@ -49,15 +49,6 @@ CACHE_RUNS = ["static no-drop", "dynamic", "dynamic+cache"]
 # top-1, caching allowed from the paper's epoch 10
 CACHING = {"quick": dict(samples=16, epochs=20), "default": dict(samples=48, epochs=60)}
 CACHING_MIN_EPOCH = {"quick": 4, "default": 10}
-
-
-def interp(points, x: float) -> Optional[float]:
-    """Piecewise-linear y(x) through ``points`` [(x, y)] (sorted here), None outside their x range."""
-    pts = sorted(points)
-    for (x0, y0), (x1, y1) in zip(pts, pts[1:]):
-        if x0 <= x <= x1:
-            return y0 if x1 == x0 else y0 + (y1 - y0) * (x - x0) / (x1 - x0)
-    return None
 
 
 def tradeoff_table(results: List[dict]) -> Table:

@@ -18,8 +18,7 @@ import re
 from typing import Dict, List, Optional
 
 from ..cluster import cpu_caps
-from .common import PAPER, Table
-from .dynamoe import interp
+from .common import interp, PAPER, Table
 
 __all__ = ["load", "cluster_table", "static_step_at", "source_label", "HOW"]
 
