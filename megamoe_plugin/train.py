@@ -135,6 +135,9 @@ def build_parser(prog: Optional[str] = None) -> argparse.ArgumentParser:
     d = p.add_argument_group("data")
     d.add_argument("--corpus-bytes", type=int, default=2_000_000, help="Cap on the corpus size in bytes.")
     d.add_argument("--corpus-cache", default=None, metavar="DIR", help="Cache the selected corpus documents here.")
+    d.add_argument("--max-train-samples", type=int, default=0, metavar="N",
+                   help="Train on the first N samples of the training split only (0 = all of it): a small dataset "
+                        "seen over many epochs, where DynaMoE's assignment cache can switch on.")
     o = p.add_argument_group("logging, eval and checkpoints")
     o.add_argument("--log-interval", type=int, default=20, help="Steps between log lines.")
     o.add_argument("--eval-interval", type=int, default=100, help="Steps between evals on the valid split "
@@ -155,7 +158,8 @@ def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> No
     for name in ("hidden", "layers", "heads", "ffn_hidden", "seq_len", "batch_size", "threads", "log_interval"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    for name in ("steps", "exit_interval", "moe_every", "eval_interval", "eval_batches", "save_interval", "corpus_bytes"):
+    for name in ("steps", "exit_interval", "moe_every", "eval_interval", "eval_batches", "save_interval", "corpus_bytes",
+                 "max_train_samples"):
         if getattr(args, name) < 0:
             parser.error(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
     if args.hidden % args.heads:
@@ -353,7 +357,7 @@ class TrainBatches:
         self.steps_per_epoch = self.num_samples // (batch_size * world_size)
         if self.steps_per_epoch < 1:
             raise ValueError(f"the training split has {self.num_samples} samples of {seq_len} tokens: too few for "
-                             f"one step of {batch_size} x {world_size} rank(s); raise --corpus-bytes")
+                             f"one step of {batch_size} x {world_size} rank(s); raise --corpus-bytes (or --max-train-samples)")
         self._offsets = torch.arange(seq_len + 1)
         self._epoch, self._order = -1, None
 
@@ -523,7 +527,8 @@ def _write_metrics(path: str, result: "TrainResult") -> None:
     with open(path, "w") as f:
         json.dump({"step": result.step, "train_seconds": result.train_seconds, "history": plain(result.history),
                    "evals": [dict(plain(e), train_seconds=result.eval_train_seconds.get(e["step"]))
-                             for e in result.evals], "skipped_steps": result.skipped_steps}, f)
+                             for e in result.evals], "skipped_steps": result.skipped_steps,
+                   "dynamic": plain(result.dynamic), "cache_history": plain(result.cache_history)}, f)
 
 
 # -------------------------------------------------------------------------------------------------------- main
@@ -662,8 +667,10 @@ def _train(parser, args, cfg: MoEConfig, ps: ParallelState, hook: AfterStepHook,
     t0 = time.perf_counter()
     corpus = build_corpus(max_bytes=args.corpus_bytes, seed=args.seed, cache_dir=args.corpus_cache)
     try:
-        batches = TrainBatches(corpus.split("train").tokens, args.batch_size, args.seq_len, args.seed, ps.rank,
-                               ps.world_size)
+        tokens = corpus.split("train").tokens
+        if args.max_train_samples:
+            tokens = tokens[:args.max_train_samples * args.seq_len + 1]
+        batches = TrainBatches(tokens, args.batch_size, args.seq_len, args.seed, ps.rank, ps.world_size)
     except ValueError as err:
         parser.error(str(err))
     stats = StatsSink()
@@ -753,6 +760,8 @@ def _train(parser, args, cfg: MoEConfig, ps: ParallelState, hook: AfterStepHook,
             tps = acc_steps * tokens_per_step / max(acc_seconds, 1e-9)
             record = {"step": done, "loss": mean[0], "lm_loss": mean[1], "aux_loss": mean[2], "lr": lr,
                       "grad_norm": gnorm, "tokens_per_s": tps, "moe": stats.summary(group=world_group)}
+            if dynamic is not None:
+                record["dynamic"] = dynamic.metrics()
             log(_progress_line(record, args.steps, hook, dynamic, ps))
             result.history.append(record)
             acc.zero_()
@@ -770,8 +779,6 @@ def _train(parser, args, cfg: MoEConfig, ps: ParallelState, hook: AfterStepHook,
     log(_format_eval(result.step, ev))
     result.evals.append({"step": result.step, **ev})
     result.eval_train_seconds[result.step] = result.train_seconds
-    if args.metrics_json and ps.is_main:
-        _write_metrics(args.metrics_json, result)
     if args.save:
         result.checkpoint = save_checkpoint(args.save, model, optimizer, cfg, result.step, args, ps, dynamic)
         log(f"saved checkpoint {checkpoint_path(args.save, ps)} (step {result.step})")
@@ -779,6 +786,8 @@ def _train(parser, args, cfg: MoEConfig, ps: ParallelState, hook: AfterStepHook,
         result.dynamic = dynamic.metrics()
         result.cache_history = dynamic.cache_history()
         dynamic.close()
+    if args.metrics_json and ps.is_main:
+        _write_metrics(args.metrics_json, result)
     if tracer is not None:
         result.trace = tracer.flush()
         log(f"routing trace: {trace_path}.rank* (steps {start + 1}..{result.step})")

@@ -54,3 +54,27 @@ def test_megamoe_train_runs_dynamic_capacity_and_caching_and_resumes_the_same_ru
 def test_assignment_cache_positions_too_short_is_a_clear_error(capsys):
     with pytest.raises(ValueError, match="--moe-assignment-cache-positions"):
         train.main(TINY + ["--steps", "2", "--moe-assignment-cache-positions", "16"])
+
+
+def test_max_train_samples_gives_short_epochs_and_metrics_json_carries_the_cache(tmp_path):
+    """16 training samples at 8 per step: an epoch every 2 steps, so 8 steps close epochs 1-3 (the tiny corpus alone
+    gives 13 steps per epoch); metrics.json keeps the per-epoch cache history and each log line's cache state."""
+    import json
+    path = tmp_path / "metrics.json"
+    res = train.main(TINY + ["--steps", "8", "--max-train-samples", "16", "--log-interval", "2",
+                             "--metrics-json", str(path)])
+    m = json.loads(path.read_text())
+    assert [h[0] for h in m["cache_history"]] == [1, 2, 3] == [h[0] for h in res.cache_history]
+    assert [h["step"] for h in m["history"]] == [2, 4, 6, 8]
+    # on = 0 from epoch 2: the decision closing epoch 2 (step 5) lands a step later, so step 8's line has it on
+    assert [h["dynamic"]["cache_on"] for h in m["history"]][0] == 0.0 and m["history"][-1]["dynamic"]["cache_on"] == 1.0
+    assert m["dynamic"]["cached_calls"] == res.dynamic["cached_calls"] > 0
+
+
+def test_max_train_samples_bad_values_name_the_flag(capsys):
+    with pytest.raises(SystemExit):
+        train.main(TINY + ["--steps", "2", "--max-train-samples", "-1"])
+    assert "--max-train-samples must be >= 0" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        train.main(TINY + ["--steps", "2", "--max-train-samples", "4"])      # fewer than one batch of 8
+    assert "--max-train-samples" in capsys.readouterr().err
