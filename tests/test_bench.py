@@ -185,6 +185,39 @@ def test_bench_capacity_summary_and_domination():
         main(["--seeds", "x"])
 
 
+def test_bench_capacity_reads_the_cache_and_compares_the_steps_it_was_on(tmp_path):
+    """`bench capacity`'s caching rows by hand: the logged intervals of a metrics.json (512 tokens per rank x 4
+    ranks per step at batch 2), caching on through an interval only when on at both its ends, and the ratio
+    against dynamic over the same intervals only."""
+    import json
+    from megamoe_plugin.bench.capacity import cache_comparison, logged_intervals
+
+    def line(step, tps, on):
+        return {"step": step, "tokens_per_s": tps, "dynamic": {"cache_on": on, "cached_calls": 0.0}}
+    metrics = {"history": [line(4, 512.0, 0.0), line(8, 1024.0, 1.0), line(12, 1024.0, 1.0), line(16, 512.0, 1.0)],
+               "dynamic": {"cache_on": 1.0, "cached_calls": 14.0},
+               "cache_history": [[1, None, False], [2, 0.5, False], [3, 0.97, True]]}
+    (tmp_path / "metrics.json").write_text(json.dumps(metrics))
+    got = logged_intervals(str(tmp_path), 2)
+    assert got["intervals"] == [(1, 4, 1.0, False), (5, 8, 0.5, False), (9, 12, 0.5, True), (13, 16, 1.0, True)]
+    assert got["cache_on_epoch"] == 4 and got["cached_calls"] == 14.0
+
+    def base(seed, times, step):
+        return {"seed": seed, "step_seconds": step,
+                "intervals": [(1 + 4 * i, 4 + 4 * i, t, False) for i, t in enumerate(times)]}
+    cached = dict(got, seed=0, step_seconds=0.8)
+    never = {"seed": 1, "step_seconds": 1.0, "intervals": [(1, 4, 1.0, False)], "cache_on_epoch": None}
+    c = cache_comparison({"dynamic": [base(0, [1.0, 0.5, 0.6, 0.9], 0.9), base(1, [1.0], 1.1)],
+                          "dynamic+cache": [cached, never]})
+    first, second = c["per_seed"]
+    assert first["steps_on"] == 8 and first["on_step_seconds"] == pytest.approx(0.75)      # median of 0.5, 1.0
+    assert first["dynamic_step_seconds"] == pytest.approx(0.75) and first["ratio"] == pytest.approx(1.0)
+    assert first["whole_run_ratio"] == pytest.approx(0.9 / 0.8)
+    assert "ratio" not in second and second["whole_run_ratio"] == pytest.approx(1.1)
+    assert c["seeds_on"] == 1 and c["ratio"] == (pytest.approx(1.0), 0.0)
+    assert cache_comparison({"dynamic": []}) is None
+
+
 def test_bench_gates_configs_carry_gate_options():
     from megamoe_plugin.bench.gates import _flags, config_flags
     assert config_flags("gshard") == ["--moe-gate", "gshard", "--moe-gate-sync", "all"]

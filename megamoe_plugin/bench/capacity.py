@@ -15,6 +15,12 @@ trained from the same data with each of:
   ``dynamic last B=f``: within the same budget, each expert's capacity 1.25 x its demand of the step before (no
   smoothing, no hysteresis, decided before the next step: ``--moe-recompile-delta-launch 0``), for routing that
   drifts faster than a moving average or a 32-step quantile follows;
+- ``dynamic+cache``: ``dynamic`` plus sample-assignment caching (§4.2; on at >= 96% of the tokens not reassigned
+  over an epoch, off below 90%, never before ``--cache-min-epoch``). It switches on only where the assignments
+  converge: a small dataset over many epochs (``--max-train-samples``, the caching regime: ``--configs
+  dynamic,dynamic+cache --max-train-samples 64 --steps 120``). Its rows add the epoch caching switched on, the
+  layer calls dispatched from the cache and the step time over the steps it was on, beside ``dynamic``'s over the
+  same steps;
 - ``dropless``: no capacity, nothing dropped (the quality reference).
 
 Every seed (``--seeds``) runs each configuration once, interleaved (seed by seed). Per run: the median step time,
@@ -53,6 +59,7 @@ CONFIGS = {
                                           "--moe-capacity-hysteresis", "0", "--moe-capacity-min-interval", "1",
                                           "--moe-recompile-delta-launch", "0", "--moe-capacity-rank-budget", f]
        for f in ("2.0", "3.0", "4.0")},
+    "dynamic+cache": CAPACITY + ["--moe-capacity-policy", "dynamic", "--moe-assignment-cache"],
     "dropless": [],
 }
 DEFAULT_CONFIGS = ["CF=1.0", "CF=1.25", "CF=1.5", "CF=2.0", "dynamic", "dynamic q=0.9", "dropless"]
@@ -81,6 +88,69 @@ def summarise(rows: Dict[str, List[dict]]) -> Dict[str, dict]:
                 and o["step_seconds"][0] + o["step_seconds"][1] < s["step_seconds"][0] - s["step_seconds"][1]
                 and o["dropped"][0] + o["dropped"][1] < s["dropped"][0] - s["dropped"][1]]
     return out
+
+
+def logged_intervals(out: str, batch_size: int) -> dict:
+    """A finished run's per-step time of every logged interval and its assignment-cache record, from its
+    metrics.json: ``intervals`` [(first step, last step, seconds per step, caching on through it)], and for a run
+    with the cache its per-epoch ``cache_history`` (epoch, fraction not reassigned, on after it), ``cache_on_epoch``
+    (the first epoch it was on, or None) and ``cached_calls`` (layer calls dispatched from the cache)."""
+    with open(os.path.join(out, "metrics.json")) as f:
+        m = json.load(f)
+    intervals, prev_step, prev_on = [], 0, False
+    for h in m["history"]:
+        on = bool((h.get("dynamic") or {}).get("cache_on", 0.0))
+        intervals.append((prev_step + 1, h["step"], 4 * batch_size * 64 / h["tokens_per_s"], prev_on and on))
+        prev_step, prev_on = h["step"], on
+    out_row = {"intervals": intervals}
+    if "cache_on" in (m.get("dynamic") or {}):
+        history = m.get("cache_history") or []
+        out_row.update(cache_history=history, cache_on_epoch=next((e + 1 for e, _, on in history if on), None),
+                       cached_calls=m["dynamic"].get("cached_calls", 0.0))
+    return out_row
+
+
+def cache_comparison(rows: Dict[str, List[dict]]) -> Optional[dict]:
+    """Per seed: dynamic+cache's median step time over the logged intervals it had caching on throughout, against
+    dynamic's over the same intervals (``ratio`` > 1: caching faster), and the whole runs' ratio; None without both
+    configurations."""
+    if "dynamic+cache" not in rows or "dynamic" not in rows:
+        return None
+    base = {r["seed"]: r for r in rows["dynamic"]}
+    per_seed = []
+    for r in rows["dynamic+cache"]:
+        b = base.get(r["seed"])
+        if b is None:
+            continue
+        theirs = {(a, z): t for a, z, t, _ in b["intervals"]}
+        on = [(a, z, t) for a, z, t, flag in r["intervals"] if flag and (a, z) in theirs]
+        row = {"seed": r["seed"], "cache_on_epoch": r.get("cache_on_epoch"), "cached_calls": r.get("cached_calls"),
+               "steps_on": sum(z - a + 1 for a, z, _ in on), "whole_run_ratio": b["step_seconds"] / r["step_seconds"]}
+        if on:
+            row["on_step_seconds"] = statistics.median(t for _, _, t in on)
+            row["dynamic_step_seconds"] = statistics.median(theirs[(a, z)] for a, z, _ in on)
+            row["ratio"] = row["dynamic_step_seconds"] / row["on_step_seconds"]
+        per_seed.append(row)
+    ratios = [x["ratio"] for x in per_seed if "ratio" in x]
+    return {"per_seed": per_seed, "ratio": _mean_sd(ratios) if ratios else None,
+            "seeds_on": sum(1 for x in per_seed if x["cache_on_epoch"] is not None)}
+
+
+def format_cache(comparison: dict) -> str:
+    lines = ["assignment caching (dynamic+cache against dynamic, same seed, same steps):"]
+    for x in comparison["per_seed"]:
+        if x["cache_on_epoch"] is None:
+            lines.append(f"  seed {x['seed']}: caching never switched on (whole run {x['whole_run_ratio']:.3f}x)")
+            continue
+        lines.append(f"  seed {x['seed']}: on from epoch {x['cache_on_epoch']}, {x['cached_calls']:.0f} layer calls "
+                     f"from the cache, {x['steps_on']} steps on throughout"
+                     + (f": {x['on_step_seconds'] * 1e3:.0f} ms vs {x['dynamic_step_seconds'] * 1e3:.0f} ms per "
+                        f"step ({x['ratio']:.3f}x)" if "ratio" in x else "")
+                     + f"; whole run {x['whole_run_ratio']:.3f}x")
+    if comparison["ratio"] is not None:
+        lines.append(f"  steps with caching on: {comparison['ratio'][0]:.3f}x ± {comparison['ratio'][1]:.3f} "
+                     f"over {len([x for x in comparison['per_seed'] if 'ratio' in x])} seed(s)")
+    return "\n".join(lines)
 
 
 def plot(summary: Dict[str, dict], path: str, label: str) -> Optional[str]:
@@ -130,6 +200,10 @@ def main(argv: Optional[List[str]] = None) -> dict:
     p.add_argument("--inter-node-bandwidth", default="100MB/s")
     p.add_argument("--cpu-share", default="auto", help="each rank's CPU share in cores (megamoe cluster run "
                    "--cpu-share): auto (fixed-speed ranks, the default), off, one value or one per rank")
+    p.add_argument("--max-train-samples", type=int, default=0, help="train every config on the first N samples "
+                   "of the training split only (megamoe train --max-train-samples; 0 = all): the caching regime")
+    p.add_argument("--cache-min-epoch", type=int, default=10, help="dynamic+cache: never switch caching on before "
+                   "this epoch (the paper's 10)")
     p.add_argument("--out", default="results/bench_capacity")
     args = p.parse_args(argv)
     configs = [c.strip() for c in args.configs.split(",") if c.strip()]
@@ -143,32 +217,46 @@ def main(argv: Optional[List[str]] = None) -> dict:
         raise SystemExit(f"megamoe bench capacity: --seeds / --inter-node-bandwidth: {e}") from None
     if not seeds or args.steps < 1 or args.batch_size < 1:
         raise SystemExit("megamoe bench capacity: --seeds needs one seed at least; --steps and --batch-size >= 1")
+    if args.max_train_samples < 0 or args.cache_min_epoch < 0:
+        raise SystemExit("megamoe bench capacity: --max-train-samples and --cache-min-epoch must be >= 0")
+    if args.max_train_samples and args.max_train_samples < 4 * args.batch_size:
+        raise SystemExit(f"megamoe bench capacity: --max-train-samples {args.max_train_samples} is less than one "
+                         f"step of 4 ranks x --batch-size {args.batch_size}")
+    data = ["--max-train-samples", str(args.max_train_samples)] if args.max_train_samples else []
+    cache = ["--moe-assignment-cache-min-epoch", str(args.cache_min_epoch)]
     why = netns.unavailable()
     if why:
         raise SystemExit(f"megamoe bench capacity: {why}")
     shares = cpu_caps.bench_shares(args.cpu_share, 4, "megamoe bench capacity")
     label = (f"emulated cluster 2 x 2, inter-node {inter / 1e6:g} MB/s, {cpu_caps.describe(shares)}, "
-             f"{args.batch_size * 64} tokens per rank, {len(seeds)} seed(s)")
+             f"{args.batch_size * 64} tokens per rank, {len(seeds)} seed(s)"
+             + (f", the first {args.max_train_samples} training samples only" if args.max_train_samples else ""))
     print(f"[bench capacity] {label}", flush=True)
     rows: Dict[str, List[dict]] = {c: [] for c in configs}
     for seed in seeds:
         for i, name in enumerate(configs):
             print(f"[bench capacity] seed {seed} {name} ...", flush=True)
-            row = run_one(name, ROUTING, args.steps, CONFIGS[name], inter, None,
-                          os.path.join(args.out, f"seed{seed}", name.replace("=", "").replace(" ", "_")),
-                          29700 + 2 * i, args.batch_size, shares, seed)
+            out = os.path.join(args.out, f"seed{seed}", name.replace("=", "").replace(" ", "_").replace("+", "_"))
+            extra = CONFIGS[name] + data + (cache if "--moe-assignment-cache" in CONFIGS[name] else [])
+            row = run_one(name, ROUTING, args.steps, extra, inter, None, out, 29700 + 2 * i, args.batch_size,
+                          shares, seed)
+            row.update(logged_intervals(out, args.batch_size))
             rows[name].append(row)
             print(f"[bench capacity] seed {seed} {name}: step {row['step_seconds'] * 1e3:.0f} ms, dropped "
                   f"{1 - row['token_efficiency']:.3f}, valid loss {row['final_valid_loss']:.4f}", flush=True)
     summary = summarise(rows)
     os.makedirs(args.out, exist_ok=True)
     figure = plot(summary, os.path.join(args.out, "drop_vs_step.png"), label)
+    caching = cache_comparison(rows)
     results = {"setup": {"label": label, "cpu_shares": shares, "inter_node_bandwidth": inter, "steps": args.steps,
-                         "batch_size": args.batch_size, "seeds": seeds}, "runs": rows, "summary": summary,
-               "figure": figure}
+                         "batch_size": args.batch_size, "seeds": seeds, "max_train_samples": args.max_train_samples,
+                         "cache_min_epoch": args.cache_min_epoch},
+               "runs": rows, "summary": summary, "caching": caching, "figure": figure}
     with open(os.path.join(args.out, "results.json"), "w") as f:
         json.dump(results, f, indent=1)
     print(format_summary(summary), flush=True)
+    if caching is not None:
+        print(format_cache(caching), flush=True)
     return results
 
 

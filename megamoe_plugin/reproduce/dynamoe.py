@@ -455,6 +455,9 @@ def run(out_dir: str, fast: bool, log=print, seed: int = 0, seeds: Optional[int]
     tables.append(caching_table(regime))
     if cluster:                     # measured with root by `megamoe bench capacity`; read, never re-measured
         tables.append(dynamoe_cluster.cluster_table(cluster))
+        caching = dynamoe_cluster.caching_table(cluster)
+        if caching is not None:
+            tables.append(caching)
     else:
         log(f"DynaMoE on the emulated cluster: {dynamoe_cluster.HOW}")
     figures.append(save_figure(figure10(regime), out_dir, "fig10_caching_regime"))
