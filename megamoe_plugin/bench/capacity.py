@@ -204,6 +204,10 @@ def main(argv: Optional[List[str]] = None) -> dict:
                    "of the training split only (megamoe train --max-train-samples; 0 = all): the caching regime")
     p.add_argument("--cache-min-epoch", type=int, default=10, help="dynamic+cache: never switch caching on before "
                    "this epoch (the paper's 10)")
+    p.add_argument("--cache-on", type=float, default=0.96, help="dynamic+cache: switch caching on at this fraction "
+                   "of tokens not reassigned over an epoch (the paper's 0.96)")
+    p.add_argument("--cache-off", type=float, default=0.90, help="dynamic+cache: switch it off below this fraction "
+                   "(the paper's 0.90)")
     p.add_argument("--out", default="results/bench_capacity")
     args = p.parse_args(argv)
     configs = [c.strip() for c in args.configs.split(",") if c.strip()]
@@ -223,7 +227,11 @@ def main(argv: Optional[List[str]] = None) -> dict:
         raise SystemExit(f"megamoe bench capacity: --max-train-samples {args.max_train_samples} is less than one "
                          f"step of 4 ranks x --batch-size {args.batch_size}")
     data = ["--max-train-samples", str(args.max_train_samples)] if args.max_train_samples else []
-    cache = ["--moe-assignment-cache-min-epoch", str(args.cache_min_epoch)]
+    if not 0 <= args.cache_off <= args.cache_on <= 1:
+        raise SystemExit(f"megamoe bench capacity: --cache-off {args.cache_off} and --cache-on {args.cache_on} need "
+                         "0 <= off <= on <= 1")
+    cache = ["--moe-assignment-cache-min-epoch", str(args.cache_min_epoch), "--moe-assignment-cache-on",
+             str(args.cache_on), "--moe-assignment-cache-off", str(args.cache_off)]
     why = netns.unavailable()
     if why:
         raise SystemExit(f"megamoe bench capacity: {why}")
@@ -250,7 +258,8 @@ def main(argv: Optional[List[str]] = None) -> dict:
     caching = cache_comparison(rows)
     results = {"setup": {"label": label, "cpu_shares": shares, "inter_node_bandwidth": inter, "steps": args.steps,
                          "batch_size": args.batch_size, "seeds": seeds, "max_train_samples": args.max_train_samples,
-                         "cache_min_epoch": args.cache_min_epoch},
+                         "cache_min_epoch": args.cache_min_epoch, "cache_on": args.cache_on,
+                         "cache_off": args.cache_off},
                "runs": rows, "summary": summary, "caching": caching, "figure": figure}
     with open(os.path.join(args.out, "results.json"), "w") as f:
         json.dump(results, f, indent=1)
