@@ -76,3 +76,53 @@ def test_later_choice_bias_keeps_the_first_choice_and_moves_the_second_on_node()
     sharp[0, 6], sharp[0, 7] = 0.6, 0.394
     ids, _ = _later_choice_gate(1.0).select(None, sharp / sharp.sum())
     assert ids.tolist() == [[6, 7]]
+
+
+def _warmup_gate(warmup, bias=0.0):
+    cfg = MoEConfig(gate="ta_moe", num_experts=8, top_k=2, world_size=4, topology="[[0,1],[2,3]]",
+                    topology_bandwidth_gbps="4,1", topology_latency_us="0,0", aux_loss_coeff=1.0,
+                    expert_parallel_size=4, ta_moe_smoothing=0.0, ta_moe_warmup=warmup,
+                    ta_moe_later_choice_bias=bias, second_expert_policy="all")
+    torch.manual_seed(0)
+    return build_gate(cfg, 16, ep=ExpertParallel.layout(0, [0, 1, 2, 3]))
+
+
+def test_warmup_moves_the_loss_from_gshard_to_the_topology_target():
+    """Rank 0 on [[0,1],[2,3]] with 4:1 links, no smoothing: its per-expert target is 1/8 for its own two experts,
+    1/4 for the same-node neighbour's and 1/16 for each of the other node's four (the paper's uneven pattern). Over
+    a 4-call warm-up the weights are (1/8) / ((1 - r) / 8 + r * target) at r = calls / 4."""
+    target = torch.tensor([1 / 8, 1 / 8, 1 / 4, 1 / 4] + [1 / 16] * 4, dtype=torch.float64)
+    gate = _warmup_gate(4)
+    gate.train()
+    x = torch.randn(256, 16)
+
+    def by_hand(routing, r):
+        probs = torch.softmax(x @ gate.weight.detach().t(), -1).double()
+        f = torch.bincount(routing.expert_ids.reshape(-1), minlength=8).double() / routing.expert_ids.numel()
+        weight = (1 / 8) / ((1 - r) / 8 + r * target)
+        return 8 * (weight * f * probs.mean(0)).sum()
+
+    for calls in range(6):
+        r = gate(x)
+        want = by_hand(r, min(calls / 4, 1.0))
+        assert torch.allclose(r.aux_losses["balance"].double(), want, rtol=1e-5), calls
+    assert int(gate.warmup_calls) == 6
+    gate.eval()
+    gate(x)
+    assert int(gate.warmup_calls) == 6                     # evaluation does not advance the warm-up
+    # the count is saved with the model (a resumed run continues the ramp); without a warm-up nothing is added
+    assert "warmup_calls" in gate.state_dict() and "warmup_calls" not in _warmup_gate(0).state_dict()
+    gate.half()
+    assert gate.warmup_calls.dtype == torch.int64
+
+
+def test_warmup_starts_the_later_choice_prior_at_zero():
+    torch.manual_seed(1)
+    probs = torch.softmax(torch.randn(2048, 8), -1)
+    gate = _warmup_gate(10, bias=1.0)
+    plain = torch.topk(probs, 2, dim=-1).indices
+    assert torch.equal(gate.select(None, probs)[0], plain)           # call 0: no prior yet
+    gate.warmup_calls.fill_(10)
+    ramped = gate.select(None, probs)[0]
+    assert torch.equal(ramped, _warmup_gate(0, bias=1.0).select(None, probs)[0])
+    assert (ramped[:, 1] >= 4).double().mean() < 0.5 * (plain[:, 1] >= 4).double().mean()

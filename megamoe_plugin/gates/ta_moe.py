@@ -31,6 +31,12 @@ moves the steering onto the later choices: the first choice stays the router's a
 log p_e + s * log(E * c_hat_ie) over the experts not yet chosen (a multiplicative prior (E * c_hat_ie)^s on the
 probabilities, 1 for an expert at its balanced share). The same target then needs less pressure on the router,
 and the combine weights stay the router's probabilities. s = 0 (default) is the released loss alone.
+
+``ta_moe_warmup`` = N starts from the GShard loss: over the layer's first N training forward calls the target
+moves linearly from uniform to c_hat (c_hat(r) = (1 - r) / E + r * c_hat, r = calls / N) and the prior from 0 to
+s * log(E * c_hat), so the router first learns which experts fit which tokens and only then is steered by the
+topology. The call count is a persistent integer buffer (checkpointed, so a resumed run continues the ramp), kept
+on the device (no sync); a forward recomputed for activation checkpointing counts again.
 """
 from __future__ import annotations
 
@@ -102,6 +108,14 @@ class TopologyAwareGate(Gate):
         # log prior of the later choices: s * log(E * c_hat_ie), 0 for an expert at its balanced share
         self.register_buffer("later_choice_prior",
                              cfg.ta_moe_later_choice_bias * torch.log(target * cfg.num_experts), persistent=False)
+        if cfg.ta_moe_warmup > 0:              # training calls so far: the warm-up's position, saved with the model
+            self.register_buffer("warmup_calls", torch.zeros((), dtype=torch.int64))     # integer: survives .half()
+
+    def _ramp(self):
+        """r in [0, 1]: how far the warm-up has moved the target from uniform to c_hat (1 without a warm-up)."""
+        if self.cfg.ta_moe_warmup <= 0:
+            return None
+        return (self.warmup_calls.float() / self.cfg.ta_moe_warmup).clamp(max=1.0)
 
     @classmethod
     def validate_config(cls, cfg) -> None:
@@ -130,7 +144,9 @@ class TopologyAwareGate(Gate):
     def select(self, logits, probs):
         if self.cfg.ta_moe_later_choice_bias > 0 and self.top_k > 1:
             first = probs.argmax(-1, keepdim=True)                                     # [T, 1]
-            scores = torch.log(probs.clamp_min(1e-20)) + self.later_choice_prior       # [T, E]
+            r = self._ramp()
+            prior = self.later_choice_prior if r is None else r * self.later_choice_prior
+            scores = torch.log(probs.clamp_min(1e-20)) + prior                         # [T, E]
             scores = scores.scatter(1, first, float("-inf"))
             later = torch.topk(scores, self.top_k - 1, dim=-1).indices                 # [T, k-1]
             ids = torch.cat([first, later], dim=1)
@@ -140,4 +156,11 @@ class TopologyAwareGate(Gate):
 
     def balance_loss(self, probs, expert_ids, kept):
         f = assignment_fractions(expert_ids, kept, self.num_experts)
-        return self.num_experts * (self.loss_weight * f * probs.mean(0)).sum()
+        r = self._ramp()
+        if r is None:
+            weight = self.loss_weight
+        else:
+            weight = (1.0 / self.num_experts) / ((1.0 - r) / self.num_experts + r * self.target)
+            if self.training:
+                self.warmup_calls.add_(1)
+        return self.num_experts * (weight * f * probs.mean(0)).sum()
