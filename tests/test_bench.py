@@ -207,12 +207,13 @@ def test_bench_capacity_reads_the_cache_and_compares_the_steps_it_was_on(tmp_pat
                 "intervals": [(1 + 4 * i, 4 + 4 * i, t, False) for i, t in enumerate(times)]}
     cached = dict(got, seed=0, step_seconds=0.8)
     never = {"seed": 1, "step_seconds": 1.0, "intervals": [(1, 4, 1.0, False)], "cache_on_epoch": None}
-    c = cache_comparison({"dynamic": [base(0, [1.0, 0.5, 0.6, 0.9], 0.9), base(1, [1.0], 1.1)],
+    c = cache_comparison({"dynamic": [base(0, [1.2, 0.6, 0.6, 0.9], 0.9), base(1, [1.0], 1.1)],
                           "dynamic+cache": [cached, never]})
     first, second = c["per_seed"]
     assert first["steps_on"] == 8 and first["on_step_seconds"] == pytest.approx(0.75)      # median of 0.5, 1.0
     assert first["dynamic_step_seconds"] == pytest.approx(0.75) and first["ratio"] == pytest.approx(1.0)
     assert first["whole_run_ratio"] == pytest.approx(0.9 / 0.8)
+    assert first["off_ratio"] == pytest.approx(0.9 / 0.75)           # intervals 1-8: dynamic 1.2, 0.6; cached 1.0, 0.5
     assert "ratio" not in second and second["whole_run_ratio"] == pytest.approx(1.1)
     assert c["seeds_on"] == 1 and c["ratio"] == (pytest.approx(1.0), 0.0)
     assert cache_comparison({"dynamic": []}) is None

@@ -112,7 +112,8 @@ def logged_intervals(out: str, batch_size: int) -> dict:
 
 def cache_comparison(rows: Dict[str, List[dict]]) -> Optional[dict]:
     """Per seed: dynamic+cache's median step time over the logged intervals it had caching on throughout, against
-    dynamic's over the same intervals (``ratio`` > 1: caching faster), and the whole runs' ratio; None without both
+    dynamic's over the same intervals (``ratio`` > 1: caching faster), the same over the intervals before caching
+    switched on (``off_ratio``: equal work, the noise floor) and the whole runs' ratio; None without both
     configurations."""
     if "dynamic+cache" not in rows or "dynamic" not in rows:
         return None
@@ -130,9 +131,17 @@ def cache_comparison(rows: Dict[str, List[dict]]) -> Optional[dict]:
             row["on_step_seconds"] = statistics.median(t for _, _, t in on)
             row["dynamic_step_seconds"] = statistics.median(theirs[(a, z)] for a, z, _ in on)
             row["ratio"] = row["dynamic_step_seconds"] / row["on_step_seconds"]
+            # the control: the same comparison over the steps before caching switched on, where both runs did
+            # the same work, so its distance from 1 is the run-to-run noise of the measurement
+            before = [(a, z, t) for a, z, t, _ in r["intervals"] if z < on[0][0] and (a, z) in theirs]
+            if before:
+                row["off_ratio"] = (statistics.median(theirs[(a, z)] for a, z, _ in before)
+                                    / statistics.median(t for _, _, t in before))
         per_seed.append(row)
     ratios = [x["ratio"] for x in per_seed if "ratio" in x]
+    controls = [x["off_ratio"] for x in per_seed if "off_ratio" in x]
     return {"per_seed": per_seed, "ratio": _mean_sd(ratios) if ratios else None,
+            "off_ratio": _mean_sd(controls) if controls else None,
             "seeds_on": sum(1 for x in per_seed if x["cache_on_epoch"] is not None)}
 
 
@@ -146,10 +155,13 @@ def format_cache(comparison: dict) -> str:
                      f"from the cache, {x['steps_on']} steps on throughout"
                      + (f": {x['on_step_seconds'] * 1e3:.0f} ms vs {x['dynamic_step_seconds'] * 1e3:.0f} ms per "
                         f"step ({x['ratio']:.3f}x)" if "ratio" in x else "")
+                     + (f", before it {x['off_ratio']:.3f}x (same work)" if "off_ratio" in x else "")
                      + f"; whole run {x['whole_run_ratio']:.3f}x")
     if comparison["ratio"] is not None:
         lines.append(f"  steps with caching on: {comparison['ratio'][0]:.3f}x ± {comparison['ratio'][1]:.3f} "
-                     f"over {len([x for x in comparison['per_seed'] if 'ratio' in x])} seed(s)")
+                     f"over {len([x for x in comparison['per_seed'] if 'ratio' in x])} seed(s)"
+                     + (f"; before caching was on (same work, the noise floor): {comparison['off_ratio'][0]:.3f}x "
+                        f"± {comparison['off_ratio'][1]:.3f}" if comparison["off_ratio"] is not None else ""))
     return "\n".join(lines)
 
 
