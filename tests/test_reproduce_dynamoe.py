@@ -220,3 +220,28 @@ def test_cluster_table_from_the_shipped_fixed_speed_results(tmp_path):
                                                  "(0.45 core each), inter-node 100 MB/s, 512 tokens per rank")
     with pytest.raises(SystemExit, match="--cluster-results"):
         reproduce.dynamoe_cluster.load(str(tmp_path / "missing"))
+
+
+def test_caching_table_from_the_shipped_caching_regime_results(tmp_path):
+    """The cluster caching table reads the shipped `bench capacity --configs dynamic,dynamic+cache
+    --max-train-samples 32` results: caching switched on in every seed; the per-seed speed-ups are the dynamic
+    run's median step over the same steps divided by the cached run's (checked against the raw intervals here)."""
+    import json
+    import statistics
+    from megamoe_plugin.reproduce import dynamoe_cluster
+    shipped = os.path.join(REPO, "docs", "data", "bench_capacity_caching", "results.json")
+    res = dynamoe_cluster.load(shipped)
+    assert dynamoe_cluster.caching_table(dynamoe_cluster.load(
+        os.path.join(REPO, "docs", "data", "bench_capacity_fixed_speed.json"))) is None
+    path = dynamoe_cluster.caching_table(res).write(str(tmp_path))
+    rows = [r for r in parse_markdown_table(open(path).read()) if r["source"] != "paper"]
+    raw = json.load(open(shipped))["runs"]
+    assert len(rows) == 3 and all(r["caching on from epoch"] != "never" for r in rows)
+    for row, dyn, cached in zip(rows, raw["dynamic"], raw["dynamic+cache"]):
+        theirs = {(a, z): t for a, z, t, _ in dyn["intervals"]}
+        on = [(a, z, t) for a, z, t, flag in cached["intervals"] if flag]
+        want = statistics.median(theirs[(a, z)] for a, z, _ in on) / statistics.median(t for *_, t in on)
+        assert float(row["speedup on those steps"]) == pytest.approx(want, abs=0.001)
+    # in the capacity table the caching regime is its own setting
+    rows = parse_markdown_table(open(dynamoe_cluster.cluster_table(res).write(str(tmp_path))).read())
+    assert any("first 32 training samples" in r["setting"] for r in rows)

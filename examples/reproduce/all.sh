@@ -14,7 +14,7 @@ PAPERS=${PAPERS:-"tamoe fastermoe flexmoe dynamoe deployment"}
 OUT=${OUT:-results}
 CLUSTER_GATES=${CLUSTER_GATES:-docs/data/bench_gates}
 CLUSTER_PLANNERS=${CLUSTER_PLANNERS:-docs/data/bench_planners_fixed_speed/fig5}
-CLUSTER_CAPACITY=${CLUSTER_CAPACITY:-docs/data/bench_capacity_fixed_speed.json,docs/data/bench_capacity_2048/results.json}
+CLUSTER_CAPACITY=${CLUSTER_CAPACITY:-docs/data/bench_capacity_fixed_speed.json,docs/data/bench_capacity_2048/results.json,docs/data/bench_capacity_caching/results.json}
 mkdir -p "$OUT"
 START=$(date +%s)
 for p in $PAPERS; do

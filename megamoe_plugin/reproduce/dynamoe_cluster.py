@@ -86,6 +86,8 @@ def cluster_table(results: List[dict]) -> Table:
         summary, setup = res["summary"], res["setup"]
         tokens = _tokens_per_rank(setup)
         setting = f"{tokens} tokens per rank" if tokens else "-"
+        if setup.get("max_train_samples"):
+            setting += f", the first {setup['max_train_samples']} training samples (caching regime)"
         label = source_label(setup)
         for name, s in summary.items():
             ratio = None
