@@ -41,7 +41,7 @@ import textwrap
 from typing import Dict, List, Optional
 
 from ..cluster import cpu_caps, netns
-from .planners import run_one
+from .planners import run_one, step_seconds
 
 CAPACITY = ["--moe-dispatch", "capacity"]
 CONFIGS = {
@@ -101,7 +101,7 @@ def logged_intervals(out: str, batch_size: int) -> dict:
     intervals, prev_step, prev_on = [], 0, False
     for h in m["history"]:
         on = bool((h.get("dynamic") or {}).get("cache_on", 0.0))
-        intervals.append((prev_step + 1, h["step"], 4 * batch_size * 64 / h["tokens_per_s"], prev_on and on))
+        intervals.append((prev_step + 1, h["step"], step_seconds(h, batch_size), prev_on and on))
         prev_step, prev_on = h["step"], on
     out_row = {"intervals": intervals}
     if "cache_on" in (m.get("dynamic") or {}):

@@ -193,6 +193,11 @@ def run_one(run: str, routing: List[str], steps: int, extra: List[str], inter: f
     return dict(read_run(run, out, batch_size, seed), wall_seconds=time.time() - t0)
 
 
+def step_seconds(record: dict, batch_size: int) -> float:
+    """Seconds per step of one logged interval of a run on the 2 x 2 cluster (4 ranks x batch x 64 tokens)."""
+    return 4 * batch_size * 64 / record["tokens_per_s"]
+
+
 def read_run(run: str, out: str, batch_size: int, seed: int = 0) -> dict:
     """The measured row of a finished run from its folder (metrics.json, trace, logs/network.json)."""
     from ..stats import load_trace
@@ -208,7 +213,7 @@ def read_run(run: str, out: str, batch_size: int, seed: int = 0) -> dict:
     placed = [h.get("placement") or {} for h in m["history"]]
     routed = sum(h["moe"][lid]["tokens_per_expert"] and 1 for h in m["history"] for lid in h["moe"])
     drop = [s["dropped_fraction"] for h in m["history"] for s in h["moe"].values()]
-    step_times = [4 * batch_size * 64 / h["tokens_per_s"] for h in m["history"][1:]]
+    step_times = [step_seconds(h, batch_size) for h in m["history"][1:]]
     expert_eff = [p["expert_efficiency"] for p in placed if "expert_efficiency" in p] or [e for _, e in last]
     return {"run": run, "step_seconds": statistics.median(step_times),
             "mean_step_seconds": m["train_seconds"] / max(m["step"], 1),
