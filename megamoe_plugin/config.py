@@ -12,6 +12,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Optional
 
+from .config_router import parse_balancing, validate_router
 from .gate_registry import gate_class, registered_gates
 
 
@@ -26,9 +27,13 @@ def _opt(default: Any, help: str, choices: Optional[tuple] = None):
     return field(default=default, metadata=meta)
 
 
-GATE_NAMES = ("naive", "switch", "gshard", "hir", "ta_moe")  # built-ins; gates.register_gate adds more
+GATE_NAMES = ("topk", "naive", "switch", "gshard", "hir", "ta_moe")  # built-ins; gates.register_gate adds more
 DISPATCH_NAMES = ("dropless", "capacity")
-ACTIVATIONS = ("gelu", "relu", "swiglu")
+ACTIVATIONS = ("gelu", "relu", "swiglu", "squared_relu", "quick_geglu")
+GATED_ACTIVATIONS = ("swiglu", "quick_geglu")       # fc1 has 2F outputs [gate | linear]
+SCORE_FUNCTIONS = ("softmax", "sigmoid", "sqrtsoftplus")
+ROUTER_DTYPES = ("fp32", "fp64", "input")
+DROP_POLICIES = ("probs", "position", "choice")
 CPU_GEMMS = ("auto", "onednn", "blas")
 EXPERT_KERNELS = ("auto", "grouped_mm", "loop")
 SECOND_EXPERT_POLICIES = ("all", "random")
@@ -45,31 +50,74 @@ NONFINITE_ACTIONS = ("raise", "skip", "off")
 
 @dataclass
 class MoEConfig:
-    # --- routing -------------------------------------------------------------------------------------------------
+    # --- routing ---------------------------------------------------------------------------------------------------
     num_experts: int = _opt(8, "Total number of experts per MoE layer (over all expert-parallel ranks).")
     top_k: int = _opt(2, "Experts chosen per token (switch forces 1, gshard forces 2).")
-    gate: str = _opt("gshard", "Gate: naive | switch | gshard | hir | ta_moe, or a name added with @register_gate.")
-    normalize_top_k: bool = _opt(True, "Renormalise the chosen experts' probabilities to sum to 1 (k > 1 only).")
+    gate: str = _opt("topk", "Gate: topk (megatron-core's TopKRouter: every score function, group-limited routing, "
+                             "expert bias, sinkhorn and quantile balancing) | naive (FastMoE's name for topk) | switch "
+                             "| gshard | hir | ta_moe, or a name added with @register_gate.")
+    score_function: str = _opt("softmax", "Router score function: softmax, sigmoid (DeepSeek-V3, Llama-4) or "
+                                          "sqrtsoftplus (sqrt(softplus(logit)), Nemotron).", SCORE_FUNCTIONS)
+    normalize_top_k: bool = _opt(True, "Weights of the chosen experts sum to 1 (k > 1). softmax: on = softmax over the "
+                                       "k chosen logits, off = the full softmax's probabilities (Megatron's "
+                                       "--moe-router-pre-softmax; group scores are then summed probabilities "
+                                       "instead of logits); sigmoid / sqrtsoftplus: on = the k scores divided by "
+                                       "their sum.")
+    topk_scaling_factor: float = _opt(0.0, "Multiply the chosen experts' weights by this (DeepSeek-V3's routed "
+                                           "scaling factor, 2.5); 0 = no scaling.")
+    num_groups: int = _opt(0, "Group-limited routing (DeepSeek-V2/V3): the experts form this many equal groups "
+                              "(e.g. the nodes or ranks of the expert-parallel layout); 0 = off.")
+    group_topk: int = _opt(0, "Group-limited routing: each token chooses among the experts of this many groups, "
+                              "those with the highest sum of their top (k / group-topk) scores.")
+    router_expert_bias: bool = _opt(False, "Aux-loss-free balancing (DeepSeek-V3): a per-expert bias, an fp32 buffer, "
+                                           "is added to the scores for choosing the experts only (the weights stay "
+                                           "the scores) and moved by the sign of each expert's load error once per "
+                                           "global batch; sigmoid or sqrtsoftplus scores.")
+    router_bias_update_rate: float = _opt(1e-3, "Aux-loss-free balancing: step of the expert-bias update "
+                                                "(DeepSeek-V3: 1e-3).")
+    load_balancing_type: str = _opt("aux_loss", "Balancing, a comma list of type[:coefficient]: aux_loss (the gate's "
+                                                "balance loss per micro-batch: Switch's for topk, GShard's for "
+                                                "gshard, TA-MoE's for ta_moe), seq_aux_loss (per sequence, "
+                                                "DeepSeek-V2/V3), global_aux_loss (over the global batch), none; "
+                                                "or one of sinkhorn (S-BASE) / quantile_balancing (a per-expert "
+                                                "bias from the scores' quantiles), which choose the experts "
+                                                "themselves and take no loss. A loss without :coefficient uses "
+                                                "--moe-aux-loss-coeff.")
+    quantile_balancing_ema: float = _opt(0.0, "quantile_balancing: weight of the previous bias in its update once "
+                                              "per global batch (0 = the latest quantiles only).")
+    router_bias: bool = _opt(False, "Give the router's linear layer a bias (Megatron: add_bias_linear; gpt-oss).")
     jitter_eps: float = _opt(0.0, "Multiplicative jitter noise on the gate input in training, "
                                   "x * U(1-eps, 1+eps) (Switch Transformer uses 1e-2); 0 disables.")
     second_expert_policy: str = _opt("random", "gshard: 'random' keeps the 2nd expert with probability "
                                                "2*p2 (GShard random routing); 'all' always keeps it.",
                                      SECOND_EXPERT_POLICIES)
-    aux_loss_coeff: float = _opt(0.01, "Weight of the gate's balance loss (Switch/GShard/TA-MoE topology loss).")
+    aux_loss_coeff: float = _opt(0.01, "Weight of the balance losses of --moe-load-balancing-type that name no "
+                                       "coefficient of their own.")
     gate_sync: str = _opt("auto", "Gate synchronisation over data-parallel ranks: all (gradients averaged every step), "
                                   "local (each rank's gate learns from its own gradient, as TA-MoE's per-rank "
                                   "targets need), average:K (local, plus the gate parameters averaged over ranks every "
                                   "K optimizer steps), or auto (local for ta_moe, all for every other gate).")
     z_loss_coeff: float = _opt(0.0, "Weight of the router z-loss mean(logsumexp(logits)^2) (ST-MoE); 0 disables.")
-    gate_fp32: bool = _opt(True, "Compute the gate's logits and softmax in fp32 whatever the model dtype.")
+    router_dtype: str = _opt("fp32", "Data type of the router's logits and weights: fp32, fp64 (the linear layer "
+                                     "in fp64; scores in fp32), or input (the model's dtype).", ROUTER_DTYPES)
     # --- dispatch ------------------------------------------------------------------------------------------------
     dispatch: str = _opt("dropless", "Token dispatch: dropless (dynamic gating, no capacity, nothing dropped) or "
                                      "capacity (GShard fixed per-expert capacity with drop and pad).",
                          DISPATCH_NAMES)
-    capacity_factor: float = _opt(1.0, "capacity mode: per-expert capacity = ceil(CF * tokens * k / experts).")
+    capacity_factor: float = _opt(1.0, "capacity mode: per-expert capacity = ceil(tokens * k / experts * CF), "
+                                       "tokens = this rank's.")
     eval_capacity_factor: float = _opt(0.0, "capacity mode, eval: capacity factor at inference; "
                                             "0 = run dropless at inference (default).")
     min_capacity: int = _opt(4, "capacity mode: lower bound of every expert's capacity.")
+    drop_policy: str = _opt("choice", "capacity mode, which assignments an expert keeps: choice (GShard, fairseq: all "
+                                      "first choices in token order, then all second choices, ...), probs (the "
+                                      "highest weights; Megatron's default) or position (the first tokens).",
+                            DROP_POLICIES)
+    pad_to_capacity: bool = _opt(True, "capacity mode: every expert computes exactly its capacity of rows (padding "
+                                       "included; static shapes, as GShard and DynaMoE need); off = the kept tokens "
+                                       "only (Megatron without --moe-pad-expert-input-to-capacity).")
+    probs_on_input: bool = _opt(False, "Multiply each token by its weight before the expert instead of weighting the "
+                                       "expert's output (Megatron's --moe-apply-probs-on-input; top-1 only).")
     schedule: str = _opt("plain", "Exchange schedule with expert parallelism: plain (all-to-all, experts, all-to-all) "
                                   "or smart (FasterMoE §4.2: grouped pairwise exchange pipelined with the expert "
                                   "computation; dropless dispatch only; same outputs and gradients).", SCHEDULES)
@@ -78,7 +126,11 @@ class MoEConfig:
                                 "must divide the expert-parallel size.")
     # --- experts -------------------------------------------------------------------------------------------------
     expert_ffn_hidden_size: int = _opt(0, "FFN hidden size of each expert; 0 = the model's FFN hidden size.")
-    activation: str = _opt("gelu", "Expert activation: gelu | relu | swiglu.", ACTIVATIONS)
+    activation: str = _opt("gelu", "Expert activation: gelu | relu | swiglu (silu-gated) | squared_relu "
+                                   "(Nemotron) | quick_geglu (x*sigmoid(1.702x)-gated, gpt-oss).", ACTIVATIONS)
+    glu_linear_offset: float = _opt(0.0, "Gated activations: act(gate) * (linear + offset) (gpt-oss: 1).")
+    activation_clamp: float = _opt(0.0, "Gated activations: clamp gate to <= c and linear to [-c, c] before the "
+                                        "activation (gpt-oss: 7); 0 = no clamp.")
     expert_bias: bool = _opt(False, "Give the experts' fc1/fc2 a bias.")
     init_std: float = _opt(0.02, "Std of the normal init of expert and gate weights.")
     expert_kernel: str = _opt("auto", "How the experts compute: grouped_mm (torch's grouped GEMM, every expert in "
@@ -278,7 +330,8 @@ class MoEConfig:
         if self.top_k > self.num_experts:
             self._bad("top_k", f"cannot exceed --moe-num-experts={self.num_experts}")
         gate_cls.validate_config(self)                  # the gate's own rules (top-k, ...)
-        for name in ("dispatch", "activation", "second_expert_policy", "cpu_gemm", "expert_kernel", "schedule", "nonfinite"):
+        for name in ("dispatch", "activation", "second_expert_policy", "cpu_gemm", "expert_kernel", "schedule",
+                     "nonfinite", "score_function", "router_dtype", "drop_policy"):
             choices = _field(name).metadata["choices"]
             if getattr(self, name) not in choices:
                 self._bad(name, f"must be one of {', '.join(choices)}")
@@ -305,6 +358,7 @@ class MoEConfig:
             self._bad("ta_moe_warmup", "must be >= 0 (0 = no warm-up)")
         if not self.hir_budget_scale > 0:
             self._bad("hir_budget_scale", "must be > 0")
+        validate_router(self, self._bad)
         return gate_cls
 
     def _validate_experts_and_parallel(self):
@@ -360,6 +414,9 @@ class MoEConfig:
         if self.expert_graph != "none" and self.dispatch != "capacity":
             self._bad("expert_graph", "static-shape expert graphs need --moe-dispatch capacity (dropless shapes change "
                                 "every call)")
+        if self.expert_graph != "none" and not self.pad_to_capacity:
+            self._bad("expert_graph", "static-shape expert graphs need every expert to compute its capacity of rows "
+                                      "(--moe-pad-to-capacity)")
         if self.capacity_headroom < 0:
             self._bad("capacity_headroom", "must be >= 0")
         if not 0.0 <= self.capacity_smoothing < 1.0:
@@ -434,6 +491,20 @@ class MoEConfig:
     def local_gates(self) -> bool:
         """Whether each rank's gate learns from its own gradient (local, average:K, or auto with ta_moe)."""
         return self.gate_sync_mode[0] != "all"
+
+    @property
+    def balance_losses(self):
+        """[(type, coefficient)] of --moe-load-balancing-type's losses with a coefficient > 0."""
+        return parse_balancing(self.load_balancing_type, self.aux_loss_coeff)[0]
+
+    @property
+    def balance_routing(self):
+        """'sinkhorn' or 'quantile_balancing' when one of them chooses the experts, else None."""
+        return parse_balancing(self.load_balancing_type, self.aux_loss_coeff)[1]
+
+    def balance_coeff(self, kind: str) -> float:
+        """The coefficient of one balance loss type (0 when it is not on)."""
+        return dict(self.balance_losses).get(kind, 0.0)
 
     @property
     def num_local_experts(self) -> int:

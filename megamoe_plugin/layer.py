@@ -27,6 +27,7 @@ from .config import ConfigError, MoEConfig, flag
 from .dispatch.plan import DispatchPlan
 from .experts import ExpertBank, check_input_dtype
 from .gates import build_gate
+from .gates.base import TokenBatch
 from .parallel import expert_parallel
 from .stats import StatsSink
 
@@ -34,9 +35,13 @@ from .stats import StatsSink
 class MoELayer(nn.Module):
     def __init__(self, cfg: MoEConfig, hidden_size: int, ffn_hidden_size: Optional[int] = None,
                  ep_group=None, topology=None, layer_id: int = 0, stats: Optional[StatsSink] = None,
-                 dtype: Optional[torch.dtype] = None, device=None, edp_group=None):
+                 dtype: Optional[torch.dtype] = None, device=None, edp_group=None, sequence_layout: str = "bs"):
         super().__init__()
         self.cfg, self.hidden_size, self.layer_id = cfg, hidden_size, layer_id
+        if sequence_layout not in ("bs", "sb"):
+            raise ValueError(f"sequence_layout={sequence_layout!r}: 'bs' ([batch, seq, H]) or 'sb' ([seq, batch, H])")
+        self.sequence_layout = sequence_layout
+        self._per_sequence = cfg.balance_coeff("seq_aux_loss") > 0     # the gate needs the tokens' sequences
         self.ep = expert_parallel(ep_group)
         if self.ep.size != cfg.expert_parallel_size:
             raise ConfigError(f"{flag('expert_parallel_size')}={cfg.expert_parallel_size} but the expert-parallel "
@@ -45,9 +50,7 @@ class MoELayer(nn.Module):
         if not ffn:
             raise ConfigError(f"{flag('expert_ffn_hidden_size')}: no FFN hidden size given")
         self.gate = build_gate(cfg, hidden_size, ep=self.ep, topology=topology)
-        self.experts = ExpertBank(cfg.slots_per_rank, hidden_size, ffn, cfg.activation, cfg.expert_bias,
-                                  cfg.init_std, dtype=dtype, device=device, cpu_lanes=cfg.cpu_expert_lanes,
-                                  cpu_gemm=cfg.cpu_gemm, kernel=cfg.expert_kernel)
+        self.experts = ExpertBank.from_config(cfg, hidden_size, ffn, dtype=dtype, device=device)
         if device is not None:
             self.gate.to(device)
         self.plan = DispatchPlan(cfg, self.ep, topology=topology, edp_group=edp_group)
@@ -87,16 +90,22 @@ class MoELayer(nn.Module):
         return self.plan.capacity_for(num_tokens, self.training)
 
     # --- forward -------------------------------------------------------------------------------------------------
-    def forward(self, x: torch.Tensor, keys_shape=None, select=None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, keys_shape=None, select=None, padding=None) -> torch.Tensor:
         """x [..., H] -> [..., H]. `keys_shape`/`select` (adapters): how x's tokens map to the batch the
-        assignment cache was given (default: x's own shape); see ``DispatchPlan.route``."""
+        assignment cache was given (default: x's own shape); see ``DispatchPlan.route``. ``padding`` [T] bool
+        (True = a padding token, counted in no loss) over the routed tokens. A [B, S, H] input ([S, B, H] with
+        ``sequence_layout='sb'``) gives the per-sequence balance loss its sequences."""
         shape = x.shape
         if shape[-1] != self.hidden_size:
             raise ValueError(f"MoELayer expects hidden size {self.hidden_size}, got input of shape {tuple(shape)}")
         check_input_dtype(x, self.experts, f"MoE layer {self.layer_id}")
         tokens = x.reshape(-1, self.hidden_size)
-        y, routing = self.plan.forward(self.gate, tokens, self.training, self.experts,
-                                       tuple(shape[:-1]) if keys_shape is None else keys_shape, select)
+        keys_shape = tuple(shape[:-1]) if keys_shape is None else keys_shape
+        batch = None
+        if padding is not None or self._per_sequence:
+            batch = TokenBatch.from_shape(keys_shape, self.sequence_layout, padding, select, tokens.device)
+        y, routing = self.plan.forward(self.gate, tokens, self.training, self.experts, keys_shape, select,
+                                       batch=batch)
         self.aux_losses = routing.aux_losses
         self.aux_loss = routing.aux_loss()
         self.last_routing = routing

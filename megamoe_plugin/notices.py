@@ -19,11 +19,12 @@ def _rank() -> int:
     return int(os.environ.get("RANK", "0"))
 
 
-def warn_once(message: str) -> bool:
-    """Print ``message`` as a warning unless it was printed before in this process; True when printed."""
+def warn_once(message: str, kind: str = "warning") -> bool:
+    """Print ``message`` as a warning (or, with ``kind="note"``, a note) unless it was printed before in this
+    process; True when printed."""
     if message in _SEEN:
         return False
     _SEEN.add(message)
     if _rank() == 0:
-        print(f"megamoe-plugin: warning: {message}", file=sys.stderr, flush=True)
+        print(f"megamoe-plugin: {kind}: {message}", file=sys.stderr, flush=True)
     return True

@@ -73,7 +73,7 @@ def test_gates_check_their_own_options():
                                    topology_bandwidth_gbps="100,25"))
     assert len(warn) == 1 and "uniform" in warn[0]          # 2 ranks: one remote peer, nothing to reweight
     assert gate_warnings(MoEConfig(gate="ta_moe", **two_nodes)) == []
-    with pytest.raises(ConfigError, match=r"--moe-aux-loss-coeff=0.0 switches it off"):
+    with pytest.raises(ConfigError, match=r"--moe-aux-loss-coeff=0.0 with --moe-load-balancing-type=aux_loss switches it off"):
         gate_warnings(MoEConfig(gate="ta_moe", aux_loss_coeff=0.0, **two_nodes))
     assert gate_warnings(MoEConfig(gate="gshard", **one_node)) == []
 
@@ -95,7 +95,8 @@ def test_megatron_spells_derived_options_and_messages():
     from megamoe_plugin.megatron_adapter import trainer
     table = options_table(200, "megatron")
     rows = [line for line in table.splitlines() if line.startswith("--moe-expert-capacity-factor")]
-    assert len(rows) == 2 and "float" in rows[0] + rows[1] and "-> dispatch" in rows[0] + rows[1], rows
+    assert len(rows) == 4 and "float" in "".join(rows) and "-> dispatch" in "".join(rows), rows
+    assert "-> eval_capacity_factor" in "".join(rows) and "-> min_capacity" in "".join(rows), rows
     assert "str" not in rows[0].split()[:3]
     with pytest.raises(ConfigError) as err:
         trainer.parse_args(["--num-experts", "4", "--moe-plugin", "--moe-plugin-capacity-policy", "dynamic"])

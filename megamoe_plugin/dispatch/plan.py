@@ -18,6 +18,7 @@ in one place:
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import List, Optional, Sequence, Tuple
 
 import torch
@@ -64,10 +65,11 @@ class DispatchPlan:
         return None if f is None else f.static_graph
 
     # --- one call: the features' hooks at their fixed points ----------------------------------------------------
-    def route(self, gate, tokens: torch.Tensor, training: bool, keys_shape=None, select=None):
+    def route(self, gate, tokens: torch.Tensor, training: bool, keys_shape=None, select=None, batch=None):
         """The layer's gate call: (routing, capacity, feature keys). `keys_shape`: the layer input's shape
         without the hidden dim; `select`: indices of the tokens of that shape this call routes (fairseq drops
-        padding). A feature may hand the gate the expert ids to route by (DynaMoE's cached assignments)."""
+        padding); `batch`: the tokens' sequences and padding (gates.base.TokenBatch). A feature may hand the gate
+        the expert ids to route by (DynaMoE's cached assignments)."""
         capacity = self.capacity_for(tokens.shape[0], training)
         assigned, keys = None, {}
         for f in self.features:
@@ -76,7 +78,7 @@ class DispatchPlan:
                 keys[f.name] = k
             if ids is not None:
                 assigned = ids
-        routing = gate(tokens, capacity=capacity, assigned=assigned)
+        routing = gate(tokens, capacity=capacity, assigned=assigned, batch=batch)
         for f in self.features:
             f.routed(routing, capacity, training)
         return routing, capacity, keys
@@ -129,9 +131,15 @@ class DispatchPlan:
         dist.all_gather(parts, mine, group=self.ep.group)
         return [self.capacity_for(t, training) for t in torch.cat(parts).tolist()]
 
+    def padded(self, capacity: Optional[List[int]]) -> Optional[List[int]]:
+        """The capacity the experts compute (static shapes: every expert its capacity of rows), or None when
+        they compute the kept tokens only (dropless, or a capacity cut without padding)."""
+        return capacity if self.cfg.pad_to_capacity else None
+
     def dispatch(self, tokens: torch.Tensor, routing: Routing, capacity: Optional[List[int]], training: bool
                  ) -> Tuple[torch.Tensor, List[int], tuple]:
-        """tokens [T, H] -> (expert input sorted by local expert, tokens per local expert, handle for combine)."""
+        """tokens [T, H] -> (expert input sorted by local expert, tokens per local expert, handle for combine).
+        ``capacity``: the padded capacity (``padded``), None for the dropless exchange of the kept tokens."""
         slots = self._slot_routing(routing)
         if slots is not None:              # experts moved / replicated / shadowed: dropless over the slots
             expert_in, tokens_per_expert, state = self.dropless.dispatch(tokens, slots)
@@ -157,26 +165,26 @@ class DispatchPlan:
         return self.smart.forward(tokens, routing if slots is None else slots, experts)
 
     def run(self, tokens: torch.Tensor, routing: Routing, capacity: Optional[List[int]], training: bool,
-            experts, after_experts=None) -> torch.Tensor:
+            experts) -> torch.Tensor:
         """tokens [T, H] -> the layer output [T, H]: dispatch, the ExpertBank `experts`, combine (the smart
-        schedule's pipelined exchange when it applies). ``after_experts(routing)``: the trainer's hook once the
-        experts ran (before the smart schedule's single pipelined call), e.g. where Megatron attaches aux losses."""
+        schedule's pipelined exchange when it applies)."""
+        capacity = self.padded(capacity)
+        if self.cfg.probs_on_input:        # top-1: the token enters its expert already weighted
+            routing.join()
+            tokens = tokens * routing.weights
+            routing = dataclasses.replace(routing, weights=routing.kept.to(routing.weights.dtype))
         if self.uses_smart(capacity):
-            if after_experts is not None:
-                after_experts(routing)
             return self.run_smart(tokens, routing, experts)
         expert_in, tokens_per_expert, handle = self.dispatch(tokens, routing, capacity, training)
         expert_out = self.run_experts(experts, expert_in, tokens_per_expert, capacity)
-        if after_experts is not None:
-            after_experts(routing)
         return self.combine(expert_out, handle, routing)
 
     def forward(self, gate, tokens: torch.Tensor, training: bool, experts, keys_shape=None, select=None,
-                after_experts=None):
+                batch=None):
         """One MoE layer call, the sequence every trainer's layer runs: gate (``route``) -> dispatch -> experts
         -> combine (``run``) -> the features' last hook (``finish``). Returns (output [T, H], routing)."""
-        routing, capacity, keys = self.route(gate, tokens, training, keys_shape, select)
-        y = self.run(tokens, routing, capacity, training, experts, after_experts)
+        routing, capacity, keys = self.route(gate, tokens, training, keys_shape, select, batch)
+        y = self.run(tokens, routing, capacity, training, experts)
         self.finish(routing, keys)
         return y, routing
 

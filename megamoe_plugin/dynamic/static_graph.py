@@ -19,16 +19,10 @@ from typing import Callable, List, Sequence, Tuple
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
+
+from ..experts.activations import activation as _act
 
 __all__ = ["StaticExpertGraph", "grouped_expert_math"]
-
-
-def _act(h: torch.Tensor, activation: str) -> torch.Tensor:
-    if activation == "swiglu":
-        a, b = h.chunk(2, dim=-1)
-        return F.silu(a) * b
-    return F.gelu(h) if activation == "gelu" else F.relu(h)
 
 
 def grouped_expert_math(x, w1, w2, b1, b2, counts: Sequence[int], activation: str) -> torch.Tensor:

@@ -1,6 +1,6 @@
 """ExpertBank: the FFN experts that live on one rank, computed as one grouped operation.
 
-Weights are stacked per slot: ``w1`` [E_local, H, F'] (F' = 2F for swiglu), ``w2`` [E_local, F, H], optional biases
+Weights are stacked per slot: ``w1`` [E_local, H, F'] (F' = 2F for the gated activations), ``w2`` [E_local, F, H], optional biases
 ``b1`` [E_local, F'] and ``b2`` [E_local, H]. One expert is one index along dim 0 of every parameter (and of every
 optimizer state tensor shaped like it), so copying, replicating or moving an expert with its optimizer state
 (FlexMoE vExperts, paper 001 §3.2-3.3) is a slice copy: see ``expert_state`` / ``load_expert_state``.
@@ -17,6 +17,7 @@ from typing import Dict, List, Optional, Sequence, Union
 import torch
 import torch.nn as nn
 
+from .activations import activation_spec, is_gated
 from .choice import KERNELS, choose_kernel, cuda_fallback
 from .grouped import GroupedExpertMM, offsets_from_counts
 from .loop import GroupedExpertFFN
@@ -44,7 +45,7 @@ class ExpertBank(nn.Module):
                  bias: bool = False, init_std: float = 0.02, dtype: Optional[torch.dtype] = None, device=None,
                  cpu_lanes: int = 0, cpu_gemm: str = "auto", kernel: str = "auto"):
         super().__init__()
-        fc1_out = 2 * ffn_hidden_size if activation == "swiglu" else ffn_hidden_size
+        fc1_out = 2 * ffn_hidden_size if is_gated(activation) else ffn_hidden_size
         kw = {"dtype": dtype, "device": device}
         self.num_local_experts, self.hidden_size, self.ffn_hidden_size = num_local_experts, hidden_size, ffn_hidden_size
         if kernel not in KERNELS:
@@ -62,6 +63,16 @@ class ExpertBank(nn.Module):
             p.allreduce = False      # Megatron reduces these over the expert-data-parallel group
 
     placement = None    # a placement.runtime.PlacementRuntime when experts can be replicated, moved or shadowed
+
+    @classmethod
+    def from_config(cls, cfg, hidden_size: int, ffn_hidden_size: int, init_std: Optional[float] = None,
+                    dtype: Optional[torch.dtype] = None, device=None) -> "ExpertBank":
+        """The bank of one rank for a MoEConfig: its vExpert slots, activation (with a gated activation's offset
+        and clamp), biases and kernel options."""
+        act = activation_spec(cfg.activation, cfg.glu_linear_offset, cfg.activation_clamp)
+        return cls(cfg.slots_per_rank, hidden_size, ffn_hidden_size, act, cfg.expert_bias,
+                   cfg.init_std if init_std is None else init_std, dtype=dtype, device=device,
+                   cpu_lanes=cfg.cpu_expert_lanes, cpu_gemm=cfg.cpu_gemm, kernel=cfg.expert_kernel)
 
     def weights(self) -> List[Optional[torch.Tensor]]:
         """[w1, w2, b1, b2] as this step computes with them: the parameters, or with a non-trivial placement the

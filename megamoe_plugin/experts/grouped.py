@@ -29,7 +29,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from .activations import activation as _act, activation_backward as _act_backward
+from .activations import activation as _act, activation_backward as _act_backward, is_gated
 
 _ALIGN = 8          # elements: 16 bytes of bf16 / fp16
 
@@ -80,7 +80,7 @@ class GroupedExpertMM(torch.autograd.Function):
         T, H = x.shape
         E, _, F1 = w1.shape
         Fh = w2.shape[1]
-        swiglu = activation == "swiglu"
+        swiglu = is_gated(activation)          # fc1 has two halves [gate | linear]
         Hp = _pad_to(H, x.dtype, x.device)
         Fp = _pad_to(Fh, x.dtype, x.device)
         F1p = 2 * Fp if swiglu else Fp

@@ -52,7 +52,8 @@ class FairseqMoEFFN(nn.Module):
         self.label = label
         # edp_group: the placement policies sum the routing counts over it, so every EP group plans the same
         # placement and the expert-data-parallel gradient sum keeps pairing equal slots
-        self.moe = MoELayer(cfg, embed_dim, ffn_dim, ep_group=ep_group, layer_id=layer_id, edp_group=edp_group)
+        self.moe = MoELayer(cfg, embed_dim, ffn_dim, ep_group=ep_group, layer_id=layer_id, edp_group=edp_group,
+                            sequence_layout="sb")
         self.padding_mask: Optional[torch.Tensor] = None
         self._full: Optional[Dict[str, torch.Tensor]] = None     # gathered experts, set only while saving
         if self.moe.ep.size > 1:

@@ -24,6 +24,7 @@ from .registry import register_gate
 @register_gate("hir")
 class HirGate(Gate):
     needs_topology = True
+    balance_on_choice = True              # the loss balances the choices the budget left
 
     def __init__(self, cfg, hidden_size, ep=None, topology=None):
         super().__init__(cfg, hidden_size, ep=ep, topology=topology)
@@ -55,7 +56,7 @@ class HirGate(Gate):
         return int(math.floor(self.budget_ratio * num_tokens))
 
     def select(self, logits, probs):
-        ids = torch.topk(probs, self.top_k, dim=-1).indices
+        ids = self.topk(logits, probs, self.top_k)
         kept = torch.ones_like(ids, dtype=torch.bool)
         if self.single_node or ids.numel() == 0:
             return ids, kept

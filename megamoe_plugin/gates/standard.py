@@ -1,28 +1,34 @@
-"""The standard gates: naive top-k, Switch (top-1) and GShard (top-2 with random routing of the second expert).
+"""The standard gates: top-k (megatron-core's router), Switch (top-1) and GShard (top-2, random second expert).
 
-- ``naive``: softmax, top-k, optional renormalisation (FastMoE's NaiveGate; Megatron's TopKRouter).
-- ``switch``: top-1 with multiplicative jitter in training and the Switch balance loss (Fedus et al. §2.2).
+- ``topk``: the base class's router unchanged (gates/base.py): every score function, group-limited routing,
+  expert bias, sinkhorn and quantile balancing, Switch's balance loss. ``naive`` is the same gate under FastMoE's
+  name.
+- ``switch``: top-1 with the Switch balance loss (Fedus et al. §2.2); jitter through ``jitter_eps``.
 - ``gshard``: top-2; the second expert is kept with probability 2 * p2 ("random routing", GShard §2.2) when
-  ``second_expert_policy='random'``; GShard balance loss on the first choices (as fairseq's top2gating).
-Capacity, when used, is applied by the base class with GShard's priority rule.
+  ``second_expert_policy='random'``; GShard's balance loss on the first choices, and the weights renormalised over
+  the kept choices after the capacity cut (fairseq's top2gating).
+Capacity, when used, is applied by the base class with the configured drop policy.
 """
 from __future__ import annotations
 
 import torch
 
-from .base import Gate, assignment_fractions
+from .base import Gate
 from .registry import register_gate
 
 
+@register_gate("topk")
+class TopKGate(Gate):
+    """megatron-core's TopKRouter (the base class's steps)."""
+
+
 @register_gate("naive")
-class NaiveGate(Gate):
-    def select(self, logits, probs):
-        ids = torch.topk(probs, self.top_k, dim=-1).indices
-        return ids, torch.ones_like(ids, dtype=torch.bool)
+class NaiveGate(TopKGate):
+    """FastMoE's NaiveGate: the top-k gate."""
 
 
 @register_gate("switch")
-class SwitchGate(NaiveGate):
+class SwitchGate(TopKGate):
     """Top-1; the jitter and the balance loss come from the base class (jitter_eps, aux_loss_coeff)."""
 
     fixed_top_k = 1
@@ -31,17 +37,24 @@ class SwitchGate(NaiveGate):
 @register_gate("gshard")
 class GShardGate(Gate):
     fixed_top_k = 2
+    balance_on_choice = True
 
     def select(self, logits, probs):
-        top2 = torch.topk(probs, 2, dim=-1)
-        ids = top2.indices
+        ids = self.topk(logits, probs, 2)
         kept = torch.ones_like(ids, dtype=torch.bool)
         if self.training and self.cfg.second_expert_policy == "random":
-            kept[:, 1] = 2.0 * top2.values[:, 1] > torch.rand_like(top2.values[:, 1])
+            kept[:, 1] = 2.0 * probs.gather(1, ids[:, 1:]).squeeze(1) > torch.rand_like(ids[:, 1], dtype=probs.dtype)
         return ids, kept
 
-    def balance_loss(self, probs, expert_ids, kept):
+    def balance_loss(self, scores, ids, valid, coeff):
         """GShard: E * sum_e (fraction of tokens whose first choice is e) * (mean gate probability of e)."""
-        first = expert_ids[:, :1]
-        f = assignment_fractions(first, torch.ones_like(first, dtype=torch.bool), self.num_experts)
-        return self.num_experts * (f * probs.mean(0)).sum()
+        return super().balance_loss(scores, ids[:, :1], valid, coeff)
+
+    def final_weights(self, weights, ids, kept, scores):
+        """The chosen experts' probabilities renormalised over the choices kept after the capacity cut."""
+        w = scores.gather(1, ids) * kept
+        if self.cfg.normalize_top_k:
+            w = w / w.sum(-1, keepdim=True).clamp_min(1e-20)
+        if self.cfg.topk_scaling_factor:
+            w = w * self.cfg.topk_scaling_factor
+        return w

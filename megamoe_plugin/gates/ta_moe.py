@@ -42,7 +42,8 @@ from __future__ import annotations
 
 import torch
 
-from .base import Gate, assignment_fractions
+from . import balance as B
+from .base import Gate
 from .registry import register_gate
 
 
@@ -89,6 +90,7 @@ class TopologyAwareGate(Gate):
     """Top-k gate whose balance loss steers the dispatch pattern toward c_hat (the topology's optimum)."""
 
     needs_topology = True
+    balance_on_choice = True
     # each rank's loss has its own target; averaged gradients cancel them (measured on the emulated cluster,
     # docs/topology-gates.md), so by default every rank's gate learns from its own gradient
     default_gate_sync = "local"
@@ -125,14 +127,20 @@ class TopologyAwareGate(Gate):
             raise ConfigError(f"{flag('ta_moe_later_choice_bias')}={cfg.ta_moe_later_choice_bias}: steers the "
                               f"choices after the first, and {flag('top_k')}={cfg.top_k} has none; use top-k >= 2 "
                               "or leave it at 0")
+        if cfg.ta_moe_later_choice_bias > 0 and (cfg.router_expert_bias or cfg.group_topk):
+            other = "router_expert_bias" if cfg.router_expert_bias else "group_topk"
+            raise ConfigError(f"{flag('ta_moe_later_choice_bias')}={cfg.ta_moe_later_choice_bias} chooses the later "
+                              f"experts by log-probability plus its prior, which {flag(other)} would not enter; "
+                              "use one of the two")
 
     @classmethod
     def check_options(cls, cfg, topology):
         from ..config import ConfigError, flag
-        if cfg.aux_loss_coeff <= 0:
-            raise ConfigError(f"{flag('gate')}=ta_moe steers the dispatch only through its topology-aware loss, and "
-                              f"{flag('aux_loss_coeff')}={cfg.aux_loss_coeff} switches it off; set it > 0 "
-                              "(e.g. 0.01)")
+        if cfg.balance_coeff("aux_loss") <= 0:
+            raise ConfigError(f"{flag('gate')}=ta_moe steers the dispatch only through its topology-aware loss (the "
+                              f"aux_loss of {flag('load_balancing_type')}), and {flag('aux_loss_coeff')}="
+                              f"{cfg.aux_loss_coeff} with {flag('load_balancing_type')}={cfg.load_balancing_type} "
+                              "switches it off; give aux_loss a coefficient > 0 (e.g. 0.01)")
         pattern = target_dispatch_pattern(topology, cfg.ta_moe_exchange_mb * 1e6, cfg.ta_moe_smoothing)
         if float((pattern - 1.0 / topology.num_ranks).abs().max()) < 1e-6:
             return [f"--moe-gate=ta_moe on the topology {topology.spec()} (bandwidths "
@@ -151,11 +159,13 @@ class TopologyAwareGate(Gate):
             later = torch.topk(scores, self.top_k - 1, dim=-1).indices                 # [T, k-1]
             ids = torch.cat([first, later], dim=1)
         else:
-            ids = torch.topk(probs, self.top_k, dim=-1).indices
+            ids = self.topk(logits, probs, self.top_k)
         return ids, torch.ones_like(ids, dtype=torch.bool)
 
-    def balance_loss(self, probs, expert_ids, kept):
-        f = assignment_fractions(expert_ids, kept, self.num_experts)
+    def balance_loss(self, scores, ids, valid, coeff):
+        """E * coeff * sum_e w_e * f_e * m_e over the gate's own choices (module docstring), counts over
+        ``seq_group``."""
+        counts, total = self.group_counts(ids, valid)
         r = self._ramp()
         if r is None:
             weight = self.loss_weight
@@ -163,4 +173,4 @@ class TopologyAwareGate(Gate):
             weight = (1.0 / self.num_experts) / ((1.0 - r) / self.num_experts + r * self.target)
             if self.training:
                 self.warmup_calls.add_(1)
-        return self.num_experts * (weight * f * probs.mean(0)).sum()
+        return B.switch_loss(scores.sum(0), counts, total, ids.shape[1], self.num_experts, coeff, weight)

@@ -34,41 +34,69 @@ SHARED: Dict[str, str] = {
     "aux_loss_coeff": "moe_aux_loss_coeff",
     "capacity_factor": "moe_expert_capacity_factor",
     "init_std": "init_method_std",
+    "score_function": "moe_router_score_function",
+    "topk_scaling_factor": "moe_router_topk_scaling_factor",
+    "num_groups": "moe_router_num_groups",
+    "group_topk": "moe_router_group_topk",
+    "router_expert_bias": "moe_router_enable_expert_bias",
+    "router_bias_update_rate": "moe_router_bias_update_rate",
+    "quantile_balancing_ema": "moe_router_quantile_balancing_ema",
+    "load_balancing_type": "moe_router_load_balancing_type",
+    "drop_policy": "moe_token_drop_policy",
+    "pad_to_capacity": "moe_pad_expert_input_to_capacity",
+    "probs_on_input": "moe_apply_probs_on_input",
+    "glu_linear_offset": "glu_linear_offset",
+    "activation_clamp": "activation_func_clamp_value",
 }
 # MoEConfig fields derived from Megatron flags of another meaning or spelling: (the Megatron flag, how it decides).
 DERIVED: Dict[str, tuple] = {
     "dispatch": ("--moe-expert-capacity-factor", "unset = dropless dispatch; a factor = capacity dispatch"),
-    "activation": ("--swiglu", "given = swiglu experts, else gelu"),
+    "eval_capacity_factor": ("--moe-expert-capacity-factor", "the same factor in evaluation (Megatron drops there "
+                                                             "too)"),
+    "min_capacity": ("--moe-expert-capacity-factor", "no minimum capacity (as Megatron)"),
+    "activation": ("--swiglu / --quick-geglu / --squared-relu", "the expert activation; default gelu"),
     "expert_bias": ("--disable-bias-linear", "given = experts without biases"),
-    "gate_fp32": ("--moe-router-dtype", "fp32 = the gate's logits and softmax in fp32"),
-    "normalize_top_k": ("--moe-router-pre-softmax", "given = the k probabilities are not renormalised"),
+    "router_bias": ("--disable-bias-linear", "given = a router without a bias (Megatron's router has one by "
+                                             "default)"),
+    "router_dtype": ("--moe-router-dtype", "fp32 / fp64; unset = the model's dtype"),
+    "normalize_top_k": ("--moe-router-pre-softmax", "given (softmax scores) = the full softmax's probabilities, "
+                                                    "not renormalised"),
     "world_size": ("the launcher's world size", "WORLD_SIZE of torchrun / the job"),
 }
 # How core error messages that name a derived option with a value read on a Megatron command line.
 _DERIVED_PHRASES = {"--moe-dispatch capacity": "--moe-expert-capacity-factor <factor> (capacity dispatch)",
-                    "--moe-dispatch dropless": "no --moe-expert-capacity-factor (dropless dispatch)"}
+                    "--moe-dispatch dropless": "no --moe-expert-capacity-factor (dropless dispatch)",
+                    "--moe-pad-to-capacity": "--moe-pad-expert-input-to-capacity",
+                    "--moe-score-function": "--moe-router-score-function"}
 # Megatron settings the plugin cannot honour: (attribute, predicate that is True when the value is unsupported,
 # flag, why). Checked only with --moe-plugin.
 UNSUPPORTED = [
     ("expert_tensor_parallel_size", lambda v: v not in (None, 1), "--expert-tensor-parallel-size",
      "the plugin's experts are not tensor-parallel; use --expert-tensor-parallel-size 1 (with TP>1 each "
      "tensor-parallel rank routes its own sequence-parallel shard)"),
-    ("moe_router_score_function", lambda v: v not in (None, "softmax"), "--moe-router-score-function",
-     "the plugin's gates use softmax scores"),
-    ("moe_router_num_groups", lambda v: v not in (None, 0, 1), "--moe-router-num-groups",
-     "group-limited routing is not a plugin gate"),
-    ("moe_router_enable_expert_bias", bool, "--moe-router-enable-expert-bias",
-     "aux-loss-free expert bias is not a plugin gate"),
-    ("moe_router_topk_scaling_factor", lambda v: v not in (None, 1, 1.0), "--moe-router-topk-scaling-factor",
-     "not supported by the plugin's gates"),
-    ("moe_router_dtype", lambda v: v == "fp64", "--moe-router-dtype", "the plugin's gates compute in fp32 at most"),
     ("moe_latent_size", lambda v: v not in (None, 0), "--moe-latent-size", "latent MoE projections are not supported"),
-    ("moe_token_dispatcher_type", lambda v: v not in (None, "alltoall", "allgather"), "--moe-token-dispatcher-type",
-     "the plugin replaces the token dispatcher; leave it at alltoall"),
+    ("moe_enable_routing_replay", bool, "--moe-enable-routing-replay",
+     "the plugin's router does not record or replay routing decisions"),
+    ("moe_router_force_load_balancing", bool, "--moe-router-force-load-balancing",
+     "a benchmark-only mode (random logits) the plugin does not reproduce; benchmark without --moe-plugin"),
+    ("moe_router_force_biased", lambda v: v is not None, "--moe-router-force-biased",
+     "a benchmark-only mode (random logit bias) the plugin does not reproduce"),
+    ("moe_router_padding_for_quantization", bool, "--moe-router-padding-for-quantization",
+     "FP8 / FP4 padding of the routing map is not supported by the plugin's experts"),
+    ("moe_router_padding_for_fp8", bool, "--moe-router-padding-for-fp8",
+     "FP8 padding of the routing map is not supported by the plugin's experts"),
+    ("moe_pad_experts_for_cuda_graph_inference", bool, "--moe-pad-experts-for-cuda-graph-inference",
+     "CUDA-graph inference padding is not supported by the plugin's layer"),
+]
+# Megatron settings that change no math and that the plugin's own machinery replaces: named in the start-up line.
+REPLACED = [
+    ("moe_token_dispatcher_type", bool, "--moe-token-dispatcher-type", "the plugin's all-to-all-v dispatcher"),
     ("moe_shared_expert_overlap", bool, "--moe-shared-expert-overlap",
-     "the plugin's dispatcher does not overlap shared experts with communication"),
-    ("squared_relu", bool, "--squared-relu", "expert activations are gelu (default) or --swiglu"),
-    ("quick_geglu", bool, "--quick-geglu", "expert activations are gelu (default) or --swiglu"),
+     "shared experts computed before the routed ones, not overlapped"),
+    ("moe_router_fusion", bool, "--moe-router-fusion", "the router unfused"),
+    ("moe_permute_fusion", bool, "--moe-permute-fusion", "permutation by index"),
+    ("moe_grouped_gemm", bool, "--moe-grouped-gemm",
+     "the plugin's experts, --moe-plugin-expert-kernel; checkpoints in Megatron's expert layout"),
 ]
 
 
@@ -136,8 +164,52 @@ def _get(src, *names, default=None):
     return default
 
 
+def _balancing(src) -> tuple:
+    """(load_balancing_type, aux_loss_coeff) of the core from Megatron's --moe-router-load-balancing-type (a type
+    or a list) and --moe-aux-loss-coeff (a number or a list of one per type)."""
+    kinds = _get(src, "moe_router_load_balancing_type", default="aux_loss")
+    coeffs = _get(src, "moe_aux_loss_coeff", default=0.0)
+    kinds = list(kinds) if isinstance(kinds, (list, tuple)) else [kinds]
+    coeffs = list(coeffs) if isinstance(coeffs, (list, tuple)) else [coeffs] * len(kinds)
+    if len(coeffs) != len(kinds):
+        raise ConfigError(f"megamoe-plugin: --moe-aux-loss-coeff={coeffs}: give one coefficient per "
+                          f"--moe-router-load-balancing-type ({' '.join(kinds)})")
+    coeffs = [float(c or 0.0) for c in coeffs]
+    parts = []
+    for kind, c in zip(kinds, coeffs):
+        if kind in ("sinkhorn", "quantile_balancing"):
+            if c > 0:
+                raise ConfigError(f"megamoe-plugin: --moe-router-load-balancing-type={kind} with --moe-aux-loss-coeff="
+                                  f"{c}: {kind} balances by its routing and takes no aux loss; set the coefficient "
+                                  "to 0 (megatron-core refuses it too)")
+            parts.append(kind)
+        elif kind != "none" and c > 0:
+            parts.append(f"{kind}:{c!r}")
+    return ",".join(parts) or "none", coeffs[0] if coeffs else 0.0
+
+
+def _activation(src) -> str:
+    """The expert activation of Megatron's flags (argparse) or config (activation_func, gated_linear_unit)."""
+    if _get(src, "squared_relu", default=False):
+        return "squared_relu"
+    if _get(src, "quick_geglu", default=False):
+        return "quick_geglu"
+    if _get(src, "swiglu", default=False):
+        return "swiglu"
+    func = _get(src, "activation_func")
+    name = getattr(func, "__name__", "gelu" if func is None else repr(func))
+    gated = bool(_get(src, "gated_linear_unit", default=False))
+    table = {("silu", True): "swiglu", ("quick_gelu", True): "quick_geglu", ("squared_relu", False): "squared_relu",
+             ("gelu", False): "gelu", ("relu", False): "relu"}
+    if (name, gated) not in table:
+        raise ConfigError(f"megamoe-plugin: the expert activation {name}{' (gated)' if gated else ''} is not one of "
+                          "the plugin's (gelu, relu, --swiglu, --quick-geglu, --squared-relu)")
+    return table[(name, gated)]
+
+
 def config_from_megatron(src, world_size: Optional[int] = None, **overrides) -> MoEConfig:
-    """MoEConfig from Megatron's parsed args (or a TransformerConfig plus ``overrides`` for plugin options)."""
+    """MoEConfig from Megatron's parsed args (or a TransformerConfig plus ``overrides`` for plugin options): every
+    router option means what it means in megatron-core (docs/megatron.md has the table)."""
     d: Dict[str, Any] = {}
     for o in plugin_options():
         d[o["name"]] = _get(src, "moe_plugin_" + o["name"], default=o["default"])
@@ -150,28 +222,36 @@ def config_from_megatron(src, world_size: Optional[int] = None, **overrides) -> 
     d["expert_ffn_hidden_size"] = _get(src, "moe_ffn_hidden_size") or 0
     d["jitter_eps"] = _get(src, "moe_input_jitter_eps") or 0.0
     d["z_loss_coeff"] = _get(src, "moe_z_loss_coeff") or 0.0
-    lb = _get(src, "moe_router_load_balancing_type", default="aux_loss")
-    lb = lb if isinstance(lb, (list, tuple)) else [lb]
-    coeff = _get(src, "moe_aux_loss_coeff", default=0.0)
-    if isinstance(coeff, (list, tuple)):
-        if len(coeff) != 1:
-            raise ConfigError(f"megamoe-plugin: --moe-aux-loss-coeff={coeff}: the plugin takes one coefficient")
-        coeff = coeff[0]
-    if len(lb) != 1 or lb[0] not in ("aux_loss", "none"):
-        raise ConfigError(f"megamoe-plugin: --moe-router-load-balancing-type={' '.join(lb)}: the plugin's gates use "
-                          "their own balance loss (aux_loss, or the topology-aware loss of --moe-plugin-gate "
-                          "ta_moe); use aux_loss or none")
-    d["aux_loss_coeff"] = 0.0 if lb[0] == "none" else float(coeff or 0.0)
+    d["load_balancing_type"], d["aux_loss_coeff"] = _balancing(src)
+    d["score_function"] = _get(src, "moe_router_score_function", default="softmax") or "softmax"
+    d["normalize_top_k"] = d["score_function"] != "softmax" or not _get(src, "moe_router_pre_softmax", default=False)
+    d["topk_scaling_factor"] = float(_get(src, "moe_router_topk_scaling_factor") or 0.0)
+    group_topk = _get(src, "moe_router_group_topk") or 0
+    limited = _get(src, "moe_router_topk_limited_devices") or 0
+    if not group_topk and limited:                     # megatron-core's deprecated spelling of device-limited routing
+        group_topk, d["num_groups"] = limited, d["expert_parallel_size"]
+    elif group_topk:
+        d["num_groups"] = _get(src, "moe_router_num_groups") or 0
+    d["group_topk"] = group_topk
+    d["router_expert_bias"] = bool(_get(src, "moe_router_enable_expert_bias", default=False))
+    d["router_bias_update_rate"] = float(_get(src, "moe_router_bias_update_rate", default=1e-3))
+    d["quantile_balancing_ema"] = float(_get(src, "moe_router_quantile_balancing_ema") or 0.0)
     cf = _get(src, "moe_expert_capacity_factor")
+    if cf is not None and cf < 0:                     # megatron-core: a negative factor means none
+        cf = None
     d["dispatch"] = "dropless" if cf is None else "capacity"
     if cf is not None:
-        d["capacity_factor"] = cf
+        d.update(capacity_factor=cf, eval_capacity_factor=cf, min_capacity=0)
+    d["drop_policy"] = _get(src, "moe_token_drop_policy", default="probs") or "probs"
+    d["pad_to_capacity"] = bool(_get(src, "moe_pad_expert_input_to_capacity", default=False))
+    d["probs_on_input"] = bool(_get(src, "moe_apply_probs_on_input", default=False))
     d["init_std"] = _get(src, "init_method_std", default=0.02)
-    gated = bool(_get(src, "swiglu", "gated_linear_unit", default=False))
-    d["activation"] = "swiglu" if gated else "gelu"
-    d["expert_bias"] = bool(_get(src, "add_bias_linear", default=False))
-    d["gate_fp32"] = _get(src, "moe_router_dtype") == "fp32"
-    d["normalize_top_k"] = not bool(_get(src, "moe_router_pre_softmax", default=False))
+    d["activation"] = _activation(src)
+    d["glu_linear_offset"] = float(_get(src, "glu_linear_offset") or 0.0)
+    d["activation_clamp"] = float(_get(src, "activation_func_clamp_value") or 0.0)
+    bias = bool(_get(src, "add_bias_linear", default=False))
+    d["expert_bias"] = d["router_bias"] = bias
+    d["router_dtype"] = _get(src, "moe_router_dtype") or "input"
     if world_size is None:
         world_size = _get(src, "world_size")
     d["world_size"] = world_size or 0
@@ -261,5 +341,27 @@ def validate_moe_plugin_args(args) -> Optional[MoEConfig]:
             warn_once(spell(text))
     except ConfigError as e:
         raise _translate(e) from None
+    warn_once(startup_line(cfg, args), kind="note")
     args.moe_plugin_config = cfg
     return cfg
+
+
+def startup_line(cfg: MoEConfig, args) -> str:
+    """One line saying what routes and what replaces Megatron's machinery (printed once, on rank 0)."""
+    router = [cfg.gate, cfg.score_function, f"top-{cfg.top_k}"]
+    if cfg.group_topk:
+        router.append(f"{cfg.group_topk} of {cfg.num_groups} groups")
+    if cfg.router_expert_bias:
+        router.append(f"expert bias (rate {cfg.router_bias_update_rate:g})")
+    if cfg.topk_scaling_factor:
+        router.append(f"scaling {cfg.topk_scaling_factor:g}")
+    router.append(cfg.balance_routing or ", ".join(f"{k} {c:g}" for k, c in cfg.balance_losses) or "no balance loss")
+    if cfg.z_loss_coeff:
+        router.append(f"z-loss {cfg.z_loss_coeff:g}")
+    dispatch = ("dropless" if cfg.dispatch == "dropless" else
+                f"capacity {cfg.capacity_factor:g} ({cfg.drop_policy}{', padded' if cfg.pad_to_capacity else ''})")
+    replaced = [f"{flag_name}={getattr(args, attr)!r} ({what})" for attr, given, flag_name, what in REPLACED
+                if given(getattr(args, attr, None))]
+    line = (f"MoE layers: the plugin's router [{', '.join(router)}], {dispatch} all-to-all-v dispatch over "
+            f"EP={cfg.expert_parallel_size}, experts {cfg.activation}")
+    return line + ("; same math as Megatron's, which it replaces: " + "; ".join(replaced) if replaced else "")

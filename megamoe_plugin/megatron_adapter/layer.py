@@ -38,18 +38,16 @@ import torch
 from megatron.core import tensor_parallel
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.moe.moe_layer import MoELayer as MegatronMoELayer
-from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler, save_to_aux_losses_tracker
+from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 
 from ..config import MoEConfig
 from ..dispatch.plan import DispatchPlan
 from ..experts import ExpertBank, check_input_dtype
+from ..experts.activations import is_gated
 from ..gates import build_gate
-from ..gates.base import Routing
+from ..gates.base import Routing, TokenBatch
 from ..parallel import ExpertParallel
 from ..stats import StatsSink
-
-# core aux-loss name -> (Megatron tracker name, MoEConfig coefficient that scaled it)
-AUX_LOSS_NAMES = {"balance": ("load_balancing_loss", "aux_loss_coeff"), "z": ("z_loss", "z_loss_coeff")}
 
 _STATS = StatsSink()
 
@@ -78,25 +76,45 @@ def _device(config):
 
 
 class PluginRouter(MegatronModule):
-    """Megatron router slot holding a core gate; ``forward(tokens [T, H], capacity) -> Routing``."""
+    """Megatron router slot holding a core gate; ``forward(tokens [T, H], capacity, assigned, batch) -> Routing``.
 
-    def __init__(self, config, pg_collection=None, plugin_config: Optional[MoEConfig] = None, **unused):
+    Its checkpoint keys are megatron-core's router's (``router.weight``, ``router.bias``, ``router.expert_bias``);
+    the core gate's balancing buffers carry megatron-core's names, so ``finalize_model_grads`` updates the expert
+    bias (and resets the global aux loss's counts) of the plugin's layers as it does for its own."""
+
+    def __init__(self, config, pg_collection=None, plugin_config: Optional[MoEConfig] = None,
+                 is_mtp_layer: bool = False, **unused):
         super().__init__(config)
         if plugin_config is None:
             raise ValueError("PluginRouter needs plugin_config (build the spec with megamoe_plugin's spec builder)")
         cfg = plugin_config
         topology = cfg.build_topology() if (cfg.gate in ("hir", "ta_moe") or cfg.topology) else None
         self.gate = build_gate(cfg, config.hidden_size, ep=ExpertParallel(pg_collection.ep), topology=topology)
-        _seeded_normal_(self.gate.weight, config.init_method_std, _layer_seed())
+        seed = _layer_seed()
+        _seeded_normal_(self.gate.weight, config.init_method_std, seed)
+        if self.gate.bias is not None:
+            _seeded_normal_(self.gate.bias, config.init_method_std, seed + 1)
         self.gate.to(_device(config))
-        self.gate.weight.sequence_parallel = bool(config.sequence_parallel)
+        self.tp_cp_group = getattr(pg_collection, "tp_cp", None)
+        self.tp_dp_cp_group = getattr(pg_collection, "tp_dp_cp", None)
+        self.gate.set_reduction_groups(seq_group=self.tp_cp_group, batch_group=self.tp_dp_cp_group)
+        for p in self.gate.parameters():
+            p.sequence_parallel = bool(config.sequence_parallel)
+        self.is_mtp_layer = is_mtp_layer
         self.layer_number = None
 
     def set_layer_number(self, layer_number: int) -> None:
         self.layer_number = layer_number
 
-    def forward(self, tokens: torch.Tensor, capacity=None, assigned=None) -> Routing:
-        return self.gate(tokens, capacity=capacity, assigned=assigned)
+    def forward(self, tokens: torch.Tensor, capacity=None, assigned=None, batch=None) -> Routing:
+        return self.gate(tokens, capacity=capacity, assigned=assigned, batch=batch)
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: Optional[dict] = None):
+        """megatron-core's router keys: the core gate's tensors without the ``gate.`` level."""
+        out = super().sharded_state_dict(prefix, sharded_offsets, metadata)
+        for value in out.values():
+            value.key = value.key.replace(f"{prefix}gate.", prefix, 1)
+        return out
 
 
 class PluginExperts(MegatronModule):
@@ -121,11 +139,10 @@ class PluginExperts(MegatronModule):
         # zeros). Built without touching the global RNG (every slot is overwritten below), so the rest of the
         # model's init does not depend on the number of slots.
         with torch.random.fork_rng(devices=[]):
-            self.bank = ExpertBank(cfg.slots_per_rank, config.hidden_size, cfg.expert_ffn_hidden_size or
-                                   config.moe_ffn_hidden_size or config.ffn_hidden_size, cfg.activation,
-                                   cfg.expert_bias, config.init_method_std, dtype=config.params_dtype,
-                                   device=torch.device("cpu"), cpu_lanes=cfg.cpu_expert_lanes, cpu_gemm=cfg.cpu_gemm,
-                                   kernel=cfg.expert_kernel)
+            self.bank = ExpertBank.from_config(cfg, config.hidden_size, cfg.expert_ffn_hidden_size or
+                                               config.moe_ffn_hidden_size or config.ffn_hidden_size,
+                                               config.init_method_std, dtype=config.params_dtype,
+                                               device=torch.device("cpu"))
         with torch.no_grad():
             for p in self.bank.parameters():
                 p[num_local_experts:].zero_()
@@ -145,64 +162,87 @@ class PluginExperts(MegatronModule):
         pass
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: Optional[dict] = None):
-        """Experts by global (logical) id: every bank tensor is saved as [num_experts, ...], dim 0 sharded over the
-        expert-parallel group, so a distributed checkpoint loads under another expert-parallel size.
+        """The experts in megatron-core's checkpoint layout, by global (logical) expert id, so that a distributed
+        checkpoint of a native megatron-core MoE layer (SequentialMLP, or the grouped-GEMM experts, which share its
+        layout) loads into this layer and this layer's into a native one, at any expert-parallel size.
 
-        Without spare vExpert slots the rows are always this rank's contiguous block of experts (nothing can move):
-        one ShardedTensor per parameter. With spare slots (dynamic placement) a ``ShardedTensorFactory`` per
-        parameter: its build_fn makes one [1, ...] ShardedTensor per occupied slot at its logical expert's row
-        (the owner replica is the main one; free slots are not saved), and its merge_fn puts the loaded rows back
-        into [slots, ...] under the placement current at load time (zeros for free slots). Megatron's optimizer
-        ``sharded_state_dict`` replaces the factory's data with each optimizer-state tensor (Adam moments, fp32
-        master weights), so they are saved and loaded by logical id the same way; the distributed optimizer does so
-        in its ``fully_reshardable`` format (whole parameter-shaped tensors gathered over data-parallel ranks)."""
+        megatron-core stores ``{prefix}experts.linear_fc1.weight`` as [E, F', H] (Linear's [out, in]; a gated
+        activation's two halves as two chunks of dim 1), ``linear_fc2.weight`` as [E, H, F] and the biases as
+        [E, F'] / [E, H]; the bank keeps [slots, H, F'] / [slots, F, H]. One ``ShardedTensorFactory`` per bank
+        tensor: its build_fn makes, per occupied slot, the slot's tensor in megatron-core's orientation at its
+        logical expert's index (a replica is not the main copy; free slots are not saved), and its merge_fn puts
+        the loaded experts back into the bank under the placement current at load time (zeros for free slots).
+        Megatron's optimizer ``sharded_state_dict`` replaces the factory's data with each optimizer-state tensor
+        (Adam moments, fp32 master weights), so they are saved and loaded the same way; the distributed optimizer
+        does so in its ``fully_reshardable`` format (whole parameter-shaped tensors)."""
         from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
+        from megatron.core.transformer.utils import make_sharded_object_for_checkpoint
         import torch.distributed as dist
 
         expt_dp_rank = dist.get_rank(self.expt_dp_group) if (self.expt_dp_group is not None and
                                                              dist.is_initialized()) else 0
         axis = len(sharded_offsets)
-        out = {}
         runtime = getattr(self.bank, "placement", None)
-        if runtime is None or self.bank.w1.shape[0] == self.num_local_experts:
-            for name, p in self.bank.named_parameters():
-                key = f"{prefix}bank.{name}"
-                out[key] = ShardedTensor.from_rank_offsets(
-                    key, p, *sharded_offsets, (axis, self.ep.rank, self.ep.size),
-                    replica_id=(0, 0, expt_dp_rank), prepend_axis_num=axis)
-            return out
+        num_experts = self.ep.size * self.num_local_experts
+        if runtime is None:
+            held = [(i, self.ep.rank * self.num_local_experts + i) for i in range(self.num_local_experts)]
+            owner = {e: True for _, e in held}
+        else:
+            held = [(i, e) for i, e in enumerate(runtime.slot_experts()) if e is not None]
+            owner = {e: runtime.owner(e)[0] == self.ep.rank for _, e in held}
+        gated = is_gated(self.bank.activation)
 
-        num_experts = runtime.num_experts
-        held = [(i, e) for i, e in enumerate(runtime.slot_experts()) if e is not None]
-        owner = {e: runtime.owner(e)[0] == self.ep.rank for _, e in held}
+        def builder(name):
+            transpose = name in ("w1", "w2")
+            chunks = 2 if gated and name in ("w1", "b1") else 1
 
-        def build_fn(key, data, replica_id, flattened_range):
-            if flattened_range is not None:
-                raise NotImplementedError("megamoe-plugin: experts with spare vExpert slots are checkpointed by "
-                                          "logical id; the distributed optimizer's flat per-rank shards cannot be "
-                                          "(use --dist-ckpt-optim-fully-reshardable)")
-            return {f"slot{i}": ShardedTensor.from_rank_offsets(
-                        key, data.detach()[i:i + 1], *sharded_offsets, (axis, e, num_experts),
-                        replica_id=(replica_id[0], replica_id[1] if owner[e] else 1, replica_id[2]),
-                        prepend_axis_num=axis)
-                    for i, e in held}
+            def build_fn(key, data, replica_id, flattened_range):
+                if flattened_range is not None:
+                    raise NotImplementedError("megamoe-plugin: the plugin's experts are checkpointed in megatron-core's "
+                                              "expert layout by logical id; the distributed optimizer's flat per-rank "
+                                              "shards cannot be (use --dist-ckpt-optim-fully-reshardable)")
+                out = {}
+                for i, e in held:
+                    piece = data.detach()[i]
+                    piece = piece.t() if transpose else piece
+                    rid = (replica_id[0], replica_id[1] if owner[e] else 1, replica_id[2])
+                    for c, part in enumerate(piece.chunk(chunks, dim=0)):
+                        out[f"slot{i}.{c}"] = ShardedTensor.from_rank_offsets(
+                            key, part.contiguous(), *sharded_offsets, (axis, e, num_experts),
+                            *([(axis + 1, c, chunks)] if chunks > 1 else []), replica_id=rid,
+                            prepend_axis_num=axis + 1)
+                return out
 
-        def merger(shape, dtype, device):
             def merge_fn(loaded):
-                rows = [(int(k[len("slot"):]), v) for k, v in loaded.items()]
-                ref = rows[0][1] if rows else None
-                full = torch.zeros(shape, dtype=ref.dtype if ref is not None else dtype,
-                                   device=ref.device if ref is not None else device)
-                for i, v in rows:
-                    full[i:i + 1].copy_(v)
+                full = None
+                for i, _ in held:
+                    piece = torch.cat([loaded[f"slot{i}.{c}"] for c in range(chunks)], dim=0)
+                    piece = piece.t() if transpose else piece
+                    if full is None:
+                        full = piece.new_zeros((self.bank.w1.shape[0],) + tuple(piece.shape))
+                    full[i].copy_(piece)
                 return full
-            return merge_fn
+            return build_fn, merge_fn
 
+        out = {}
+        native = {"w1": "linear_fc1.weight", "w2": "linear_fc2.weight", "b1": "linear_fc1.bias",
+                  "b2": "linear_fc2.bias"}
         for name, p in self.bank.named_parameters():
-            key = f"{prefix}bank.{name}"
-            out[key] = ShardedTensorFactory(key, p, build_fn, merger(tuple(p.shape), p.dtype, p.device),
-                                            replica_id=(0, 0, expt_dp_rank))
+            build_fn, merge_fn = builder(name)
+            out[f"{prefix}bank.{name}"] = ShardedTensorFactory(f"{prefix}experts.{native[name]}", p, build_fn,
+                                                               merge_fn, replica_id=(0, 0, expt_dp_rank))
+        # megatron-core's local linear layers save an (empty) extra state per expert; a native run loads them
+        for i, e in held:
+            for fc in ("linear_fc1", "linear_fc2"):
+                out[f"{prefix}_extra_state/{fc}/{i}"] = make_sharded_object_for_checkpoint(
+                    None, f"{prefix}experts.{fc}._extra_state", (*sharded_offsets, (axis, e, num_experts)),
+                    replica_id=(0, 0 if owner[e] else 1, expt_dp_rank))
         return out
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        for key in [k for k in state_dict if k.startswith(f"{prefix}_extra_state/")]:
+            state_dict.pop(key)          # megatron-core's empty extra states (sharded_state_dict), nothing of ours
+        return super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
 
 class PluginTokenDispatcher:
@@ -238,6 +278,28 @@ class PluginTokenDispatcher:
         return output.view(shape)
 
 
+# core aux-loss name -> (megatron-core's tracker name, the loss type whose coefficient scaled it)
+AUX_LOSS_NAMES = {"balance": ("load_balancing_loss", "aux_loss"),
+                  "seq_balance": ("seq_load_balancing_loss", "seq_aux_loss"),
+                  "global_balance": ("global_load_balancing_loss", "global_aux_loss"),
+                  "z": ("z_loss", None)}
+
+
+def _record_metric(name: str, value: torch.Tensor, layer_number: int, num_layers: int, reduce_group=None,
+                   avg_group=None, needs_dp_avg: bool = True) -> None:
+    """Megatron's MoE metrics tracker (``get_moe_metrics_tracker``; ``save_to_aux_losses_tracker`` on releases
+    that have no tracker object)."""
+    try:
+        from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
+    except ImportError:
+        from megatron.core.transformer.moe.moe_utils import save_to_aux_losses_tracker
+        save_to_aux_losses_tracker(name, value, layer_number, num_layers, reduce_group=reduce_group,
+                                   avg_group=avg_group, reduce_group_has_dp=not needs_dp_avg)
+        return
+    get_moe_metrics_tracker().record(name, value, layer_number, num_layers, reduce_group=reduce_group,
+                                     avg_group=avg_group, needs_dp_avg=needs_dp_avg)
+
+
 class PluginMoELayer(MegatronMoELayer):
     """Megatron's MoELayer with the plugin's router, dispatcher and experts (see the module docstring)."""
 
@@ -245,8 +307,16 @@ class PluginMoELayer(MegatronMoELayer):
                  plugin_config: Optional[MoEConfig] = None, **kwargs):
         if plugin_config is None:
             raise ValueError("PluginMoELayer needs plugin_config (build the spec with megamoe_plugin's spec builder)")
-        super().__init__(config=config, submodules=submodules, layer_number=layer_number,
-                         pg_collection=pg_collection, **kwargs)
+        # Megatron builds its own token dispatcher in MoELayer.__init__; the plugin's replaces it, so the flex
+        # dispatcher (DeepEP / HybridEP, GPU only) is not built: an all-gather one stands in until replaced
+        dispatcher_type = config.moe_token_dispatcher_type
+        if dispatcher_type == "flex":
+            config.moe_token_dispatcher_type = "allgather"
+        try:
+            super().__init__(config=config, submodules=submodules, layer_number=layer_number,
+                             pg_collection=pg_collection, **kwargs)
+        finally:
+            config.moe_token_dispatcher_type = dispatcher_type
         self.plugin_config = plugin_config
         if not isinstance(self.router, PluginRouter) or not isinstance(self.experts, PluginExperts):
             raise TypeError("PluginMoELayer needs PluginRouter and PluginExperts in its MoESubmodules")
@@ -261,6 +331,7 @@ class PluginMoELayer(MegatronMoELayer):
         self.stats = plugin_stats()
         self.aux_losses = {}
         self.last_routing: Optional[Routing] = None
+        self._per_sequence = plugin_config.balance_coeff("seq_aux_loss") > 0
 
     # --- capacity (DynaMoE changes it between steps) ------------------------------------------------------------
     def set_expert_capacity(self, capacity) -> None:
@@ -279,52 +350,70 @@ class PluginMoELayer(MegatronMoELayer):
         return self.layer_number
 
     # --- forward -----------------------------------------------------------------------------------------------
-    def _attach_aux_losses(self, routing: Routing, num_tokens: int) -> None:
-        if not routing.aux_losses:
-            return
+    def _attach_aux_losses(self, output: torch.Tensor, routing: Routing) -> torch.Tensor:
+        """megatron-core's scaling of the router's losses (per-token loss, repeated MTP layers) entering the loss
+        through ``MoEAuxLossAutoScaler``, and its metrics under its names and reduction groups."""
+        config, router, cfg = self.config, self.router, self.plugin_config
+        tp_cp = router.tp_cp_group.size() if router.tp_cp_group is not None else 1
+        mtp_layers = getattr(config, "mtp_num_layers", None)
+        repeated = router.is_mtp_layer and getattr(config, "mtp_use_repeated_layer", False) and mtp_layers
         total = routing.aux_loss()
-        if self.config.calculate_per_token_loss:
-            total = total * num_tokens      # the schedule divides the whole loss by the token count later
-        routing.weights = MoEAuxLossAutoScaler.apply(routing.weights, total)
-        num_layers = self.config.num_layers + (getattr(self.config, "mtp_num_layers", None) or 0)
+        if repeated:
+            total = total / mtp_layers
+        if config.calculate_per_token_loss:
+            total = total * routing.valid_tokens * tp_cp
+        output = MoEAuxLossAutoScaler.apply(output, total)
+        num_layers = config.num_layers + (mtp_layers or 0)
+        layer = self.layer_number + config.num_layers if router.is_mtp_layer else self.layer_number
         for name, value in routing.aux_losses.items():
-            tracker_name, coeff_name = AUX_LOSS_NAMES.get(name, (f"moe_plugin_{name}_loss", "aux_loss_coeff"))
-            coeff = getattr(self.plugin_config, coeff_name) or 1.0
-            save_to_aux_losses_tracker(tracker_name, value.detach() / coeff, self.layer_number, num_layers,
-                                       avg_group=self.attn_tp_group)
+            tracker_name, kind = AUX_LOSS_NAMES.get(name, (f"moe_plugin_{name}_loss", "aux_loss"))
+            coeff = cfg.z_loss_coeff / tp_cp if kind is None else cfg.balance_coeff(kind)
+            value = value.detach() / (mtp_layers if repeated else 1) / (coeff or 1.0)
+            if kind is None:
+                _record_metric(tracker_name, value, layer, num_layers, avg_group=router.tp_dp_cp_group)
+            elif kind == "global_aux_loss":
+                _record_metric(tracker_name, value, layer, num_layers, reduce_group=router.tp_dp_cp_group,
+                               needs_dp_avg=False)
+            else:
+                _record_metric(tracker_name, value, layer, num_layers, reduce_group=router.tp_cp_group)
+        return output
 
-    def _routed(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    def _routed(self, hidden_states: torch.Tensor, padding_mask: Optional[torch.Tensor]) -> torch.Tensor:
         check_input_dtype(hidden_states, self.experts.bank, f"MoE layer {self.layer_number}")
         tokens = hidden_states.reshape(-1, hidden_states.shape[-1])
-
-        def aux_losses(routing):               # after the experts: a cached routing's gate ran alongside them
-            if self.training:
-                routing.join()
-                self._attach_aux_losses(routing, tokens.shape[0])
-
-        # the core's one call sequence (DispatchPlan.forward), Megatron's aux losses attached by the hook
-        out, routing = self.plan.forward(self.router, tokens, self.training, self.experts.bank,
-                                         tuple(hidden_states.shape[:-1]), after_experts=aux_losses)
+        keys_shape = tuple(hidden_states.shape[:-1])
+        batch = None
+        if padding_mask is not None or self._per_sequence:
+            padding = None if padding_mask is None else padding_mask.reshape(-1)
+            batch = TokenBatch.from_shape(keys_shape, "sb", padding, device=tokens.device)
+        # the core's one call sequence (DispatchPlan.forward)
+        out, routing = self.plan.forward(self.router, tokens, self.training, self.experts.bank, keys_shape,
+                                         batch=batch)
         out = out.view(hidden_states.shape)
+        if self.training and routing.aux_losses:
+            out = self._attach_aux_losses(out, routing)
         self.aux_losses = {k: v.detach() for k, v in routing.aux_losses.items()}
         self.last_routing = routing
         self.stats.record(self.layer_number if self.layer_number is not None else 0, routing)
         return out
 
     def forward(self, hidden_states: torch.Tensor, intermediate_tensors=None, padding_mask=None):
-        """[S, B, H] -> ([S, B, H], None). ``padding_mask`` is accepted; padded tokens are routed like others."""
+        """[S, B, H] -> ([S, B, H], None). ``padding_mask`` [B, S] (megatron-core's: True marks a padding token)
+        keeps padding tokens out of the router's losses and the expert bias's counts; they are routed."""
         if intermediate_tensors is not None:
             raise NotImplementedError("megamoe-plugin: partial CUDA-graph capture of the MoE layer is not supported")
         if self.training and self.attn_tp_group.size() > 1 and not self.config.sequence_parallel:
             raise ValueError("megamoe-plugin: MoE with tensor parallelism needs --sequence-parallel")
+        if padding_mask is not None:
+            padding_mask = padding_mask.transpose(0, 1).bool()
 
-        def custom_forward(hidden):
+        def custom_forward(hidden, padding):
             shared = self.shared_experts(hidden) if self.use_shared_expert else None
-            out = self._routed(hidden)
+            out = self._routed(hidden, padding)
             return out + shared if shared is not None else out
 
-        if self.moe_layer_recompute:
-            output = tensor_parallel.checkpoint(custom_forward, False, hidden_states)
+        if self.moe_layer_recompute and self.training:
+            output = tensor_parallel.checkpoint(custom_forward, False, hidden_states, padding_mask)
         else:
-            output = custom_forward(hidden_states)
+            output = custom_forward(hidden_states, padding_mask)
         return output, None

@@ -57,14 +57,23 @@ def plugin_mlp_spec(mlp, cfg: MoEConfig):
     return make_spec(PluginMoELayer, submodules, {**params, "plugin_config": cfg}, style)
 
 
+# where a multi-token-prediction layer keeps its transformer layer: 0.16's name, 0.19's name
+_MTP_LAYER_FIELDS = ("transformer_layer", "mtp_model_layer")
+
+
 def _layer_spec(spec, cfg: MoEConfig):
     sub = getattr(spec, "submodules", None)
-    if sub is None or not hasattr(sub, "mlp"):
+    if sub is None or not dataclasses.is_dataclass(sub):
         return spec
-    new_mlp = plugin_mlp_spec(sub.mlp, cfg)
-    if new_mlp is sub.mlp:
-        return spec
-    return dataclasses.replace(spec, submodules=dataclasses.replace(sub, mlp=new_mlp))
+    if hasattr(sub, "mlp"):
+        new_mlp = plugin_mlp_spec(sub.mlp, cfg)
+        return spec if new_mlp is sub.mlp else dataclasses.replace(spec, submodules=dataclasses.replace(sub, mlp=new_mlp))
+    for name in _MTP_LAYER_FIELDS:               # an MTP layer: the MoE layer is inside its transformer layer
+        inner = getattr(sub, name, None)
+        if inner is not None:
+            new = _layer_spec(inner, cfg)
+            return spec if new is inner else dataclasses.replace(spec, submodules=dataclasses.replace(sub, **{name: new}))
+    return spec
 
 
 def moe_plugin_spec(spec: Any, cfg: MoEConfig) -> Any:
@@ -101,6 +110,8 @@ def moe_plugin_gpt_builder(builder: Callable) -> Callable:
 
         def plugin_gpt_model(*ma, **mkw):
             mkw["transformer_layer_spec"] = moe_plugin_spec(mkw["transformer_layer_spec"], cfg)
+            if mkw.get("mtp_block_spec") is not None:           # the MTP block's MoE layer too
+                mkw["mtp_block_spec"] = moe_plugin_spec(mkw["mtp_block_spec"], cfg)
             return real(*ma, **mkw)
 
         g["GPTModel"] = plugin_gpt_model
@@ -142,7 +153,27 @@ def moe_plugin_model_config(args, model_cfg):
 
     plugin_layer_spec._megamoe_wrapped = True
     model_cfg.transformer_layer_spec = plugin_layer_spec
+    _substitute_mtp_spec(cfg)
     return model_cfg
+
+
+def _substitute_mtp_spec(cfg: MoEConfig) -> None:
+    """core_v0.19's ``GPTModelBuilder`` makes the MTP block's spec from Megatron's own layer specs
+    (``megatron.training.models.gpt.mtp_block_spec``): wrap that function so the MTP layer's MoE layer is the
+    plugin's too."""
+    try:
+        from megatron.training.models import gpt as gpt_models
+    except ImportError:
+        return
+    original = getattr(gpt_models.mtp_block_spec, "_megamoe_original", gpt_models.mtp_block_spec)
+
+    @functools.wraps(original)
+    def plugin_mtp_block_spec(*args, **kwargs):
+        spec = original(*args, **kwargs)
+        return None if spec is None else moe_plugin_spec(spec, cfg)
+
+    plugin_mtp_block_spec._megamoe_original = original
+    gpt_models.mtp_block_spec = plugin_mtp_block_spec
 
 
 def moe_plugin_config_builder(make_config: Callable) -> Callable:

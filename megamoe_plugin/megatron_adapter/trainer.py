@@ -88,6 +88,27 @@ def initialize(args):
     model_parallel_cuda_manual_seed(seed)
 
 
+def _one_or_list(values):
+    """Megatron-LM's nargs='+' MoE flags: one value stays a scalar (TransformerConfig's default form)."""
+    return values[0] if isinstance(values, (list, tuple)) and len(values) == 1 else values
+
+
+def _activation(args) -> dict:
+    """TransformerConfig's activation fields for --swiglu / --quick-geglu / --squared-relu (as Megatron-LM's
+    core_transformer_config_from_args sets them)."""
+    from megatron.core.activations import squared_relu
+    from megatron.core.fusions.fused_bias_geglu import quick_gelu
+    if sum(map(bool, (args.swiglu, args.quick_geglu, args.squared_relu))) > 1:
+        raise ValueError("--swiglu, --quick-geglu and --squared-relu are exclusive")
+    if args.swiglu:
+        return dict(gated_linear_unit=True, activation_func=torch.nn.functional.silu)
+    if args.quick_geglu:
+        return dict(gated_linear_unit=True, activation_func=quick_gelu)
+    if args.squared_relu:
+        return dict(gated_linear_unit=False, activation_func=squared_relu)
+    return dict(gated_linear_unit=False, activation_func=torch.nn.functional.gelu)
+
+
 def transformer_config(args):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -96,19 +117,28 @@ def transformer_config(args):
     if args.num_experts:
         moe = dict(num_moe_experts=args.num_experts, moe_router_topk=args.moe_router_topk,
                    moe_layer_freq=args.moe_layer_freq, moe_ffn_hidden_size=args.moe_ffn_hidden_size,
-                   moe_aux_loss_coeff=args.moe_aux_loss_coeff, moe_z_loss_coeff=args.moe_z_loss_coeff,
+                   moe_aux_loss_coeff=_one_or_list(args.moe_aux_loss_coeff), moe_z_loss_coeff=args.moe_z_loss_coeff,
                    moe_input_jitter_eps=args.moe_input_jitter_eps,
                    moe_expert_capacity_factor=args.moe_expert_capacity_factor,
                    moe_pad_expert_input_to_capacity=args.moe_pad_expert_input_to_capacity,
-                   moe_router_load_balancing_type=args.moe_router_load_balancing_type,
+                   moe_router_load_balancing_type=_one_or_list(args.moe_router_load_balancing_type),
                    moe_router_dtype=args.moe_router_dtype, moe_router_pre_softmax=args.moe_router_pre_softmax,
+                   moe_router_score_function=args.moe_router_score_function,
+                   moe_router_topk_scaling_factor=args.moe_router_topk_scaling_factor,
+                   moe_router_num_groups=args.moe_router_num_groups,
+                   moe_router_group_topk=args.moe_router_group_topk,
+                   moe_router_enable_expert_bias=args.moe_router_enable_expert_bias,
+                   moe_router_bias_update_rate=args.moe_router_bias_update_rate,
+                   moe_token_drop_policy=args.moe_token_drop_policy,
+                   moe_apply_probs_on_input=args.moe_apply_probs_on_input,
+                   moe_shared_expert_intermediate_size=args.moe_shared_expert_intermediate_size,
+                   moe_shared_expert_overlap=args.moe_shared_expert_overlap,
                    moe_token_dispatcher_type=args.moe_token_dispatcher_type, moe_grouped_gemm=args.moe_grouped_gemm)
     return TransformerConfig(
         num_layers=args.num_layers, hidden_size=args.hidden_size, ffn_hidden_size=args.ffn_hidden_size,
         num_attention_heads=args.num_attention_heads, init_method_std=args.init_method_std,
         hidden_dropout=args.hidden_dropout, attention_dropout=args.attention_dropout,
-        add_bias_linear=args.add_bias_linear, gated_linear_unit=args.swiglu,
-        activation_func=torch.nn.functional.silu if args.swiglu else torch.nn.functional.gelu,
+        add_bias_linear=args.add_bias_linear, **_activation(args),
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
         expert_model_parallel_size=args.expert_model_parallel_size,
@@ -334,28 +364,42 @@ def evaluate_checkpoint(run: Run, start: int) -> None:
     run.evaluate(valid_ds, start)
 
 
+def report_moe_metrics(**kwargs) -> None:
+    """megatron-core's MoE metrics reported (aux losses into ``total_loss_dict`` and the writer) and cleared: its
+    metrics tracker where the release has one, else the module functions (deprecated since 0.16)."""
+    try:
+        from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
+    except ImportError:
+        from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker, track_moe_metrics
+        track_moe_metrics(**kwargs)
+        clear_aux_losses_tracker()
+        return
+    get_moe_metrics_tracker().report(**kwargs)
+
+
 class ProgressLog:
     """The progress line every --log-interval iterations (Megatron-LM's fields plus the plugin's MoE metrics)."""
 
     def __init__(self, run: Run, writer):
         self.run, self.writer = run, writer
         args = run.args
-        self.track = ["load_balancing_loss"] + (["z_loss"] if args.moe_z_loss_coeff else [])
+        kinds = args.moe_router_load_balancing_type
+        kinds = kinds if isinstance(kinds, (list, tuple)) else [kinds]
+        names = {"aux_loss": "load_balancing_loss", "seq_aux_loss": "seq_load_balancing_loss",
+                 "global_aux_loss": "global_load_balancing_loss"}
+        self.track = [names[k] for k in kinds if k in names] + (["z_loss"] if args.moe_z_loss_coeff else [])
         self.reset()
 
     def reset(self):
         self.t0, self.window, self.loss, self.aux = time.time(), 0, 0.0, {}
 
     def step(self, iteration: int, loss: float, grad_norm) -> None:
-        from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker, track_moe_metrics
-
         args = self.run.args
         if args.num_experts:
             aux = {}
-            track_moe_metrics(loss_scale=1.0 / self.run.n_micro, iteration=iteration, writer=self.writer,
-                              total_loss_dict=aux, force_initialize=True, track_names=self.track,
-                              num_layers=args.num_layers, moe_layer_freq=args.moe_layer_freq)
-            clear_aux_losses_tracker()
+            report_moe_metrics(loss_scale=1.0 / self.run.n_micro, iteration=iteration, writer=self.writer,
+                               total_loss_dict=aux, force_initialize=True, track_names=self.track,
+                               num_layers=args.num_layers, moe_layer_freq=args.moe_layer_freq)
             for k, v in aux.items():
                 self.aux[k] = self.aux.get(k, 0.0) + float(v)
         self.window += 1
