@@ -21,12 +21,14 @@ from __future__ import annotations
 from typing import List, Optional, Protocol, Sequence, runtime_checkable
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 
 from .config import ConfigError, MoEConfig, flag
 from .dispatch.plan import DispatchPlan
 from .experts import ExpertBank, check_input_dtype
 from .gates import build_gate
+from .gates.balance import end_global_batch
 from .gates.base import TokenBatch
 from .parallel import expert_parallel
 from .stats import StatsSink
@@ -35,7 +37,8 @@ from .stats import StatsSink
 class MoELayer(nn.Module):
     def __init__(self, cfg: MoEConfig, hidden_size: int, ffn_hidden_size: Optional[int] = None,
                  ep_group=None, topology=None, layer_id: int = 0, stats: Optional[StatsSink] = None,
-                 dtype: Optional[torch.dtype] = None, device=None, edp_group=None, sequence_layout: str = "bs"):
+                 dtype: Optional[torch.dtype] = None, device=None, edp_group=None, sequence_layout: str = "bs",
+                 batch_group=None):
         super().__init__()
         self.cfg, self.hidden_size, self.layer_id = cfg, hidden_size, layer_id
         if sequence_layout not in ("bs", "sb"):
@@ -50,6 +53,11 @@ class MoELayer(nn.Module):
         if not ffn:
             raise ConfigError(f"{flag('expert_ffn_hidden_size')}: no FFN hidden size given")
         self.gate = build_gate(cfg, hidden_size, ep=self.ep, topology=topology)
+        # the global balance loss sums its counts over the global batch: every data-parallel rank (the world,
+        # unless the trainer names another group)
+        if batch_group is None and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            batch_group = dist.group.WORLD
+        self.gate.set_reduction_groups(batch_group=batch_group)
         self.experts = ExpertBank.from_config(cfg, hidden_size, ffn, dtype=dtype, device=device)
         if device is not None:
             self.gate.to(device)
@@ -138,6 +146,14 @@ def find_moe_layers(model) -> List[MoELayerProtocol]:
 def moe_layers(model: nn.Module) -> List[MoELayer]:
     """The core MoELayers of a model (the ones that carry ``aux_loss``); ``find_moe_layers`` for every kind."""
     return [m for m in find_moe_layers(model) if isinstance(m, MoELayer)]
+
+
+def finish_global_batch(model, batch_group=None, data_group=None) -> None:
+    """Once per global batch, after its last backward, on every rank: the balancing state of every MoE layer's
+    gate moves on (the expert bias's sign update over ``batch_group``, quantile balancing's bias over
+    ``data_group``, the global balance loss's counts reset; gates/balance.py). megatron-core's
+    ``finalize_model_grads`` does the same for the plugin's Megatron layers; the other trainers call this."""
+    end_global_batch([m.gate for m in moe_layers(model)], batch_group, data_group)
 
 
 def collect_aux_loss(model: nn.Module) -> torch.Tensor:

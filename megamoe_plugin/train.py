@@ -57,7 +57,7 @@ from .gates import gate_warnings
 from .gate_sync import GateSync, gather_rank_states, load_rank_state, local_grad_sq_norm, rank_state_for
 from .inference.deploy import refuse_in_training
 from .notices import warn_once
-from .layer import collect_aux_loss, moe_layers
+from .layer import collect_aux_loss, finish_global_batch, moe_layers
 from .placement import AfterStepHook, apply_placement
 from .models import TinyMoEGPT
 from .stats import NonFiniteRoutingError, StatsSink, TraceRecorder, check_nonfinite
@@ -726,6 +726,7 @@ def _train(parser, args, cfg: MoEConfig, ps: ParallelState, hook: AfterStepHook,
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         sync_gradients(model, ps, gate_sync.local)
+        finish_global_batch(model, world_group, world_group)     # expert bias / global loss: once per step
         done = step + 1
         problem = check_nonfinite([stats], done, world_group) if cfg.nonfinite != "off" else None
         if problem and cfg.nonfinite == "raise":

@@ -52,4 +52,5 @@ print(f'run_megatron_py312.sh: Python {sys.version.split()[0]}, torch {torch.__v
 exec "$VENV/bin/python" -m pytest -q -p no:cacheprovider -m "not one_release" \
   tests/test_megatron_adapter.py tests/test_megatron_doctor.py tests/test_megatron_trainer.py \
   tests/test_megatron_placement.py tests/test_megatron_dynamic.py tests/test_megatron_inference.py \
-  tests/test_megatron_peer.py tests/test_megatron_lm.py "$@"
+  tests/test_megatron_peer.py tests/test_megatron_lm.py tests/test_megatron_router_parity.py \
+  tests/test_megatron_lm_recipes.py "$@"

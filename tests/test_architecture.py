@@ -1,7 +1,7 @@
 """The package's layering, checked on its source: every import, deferred ones inside functions included.
 
-    core      config, gate_registry, topology, parallel, notices, stats, cpu_alloc, launch, progress, gates/,
-              dispatch/, experts/, layer, models/, data/
+    core      config, config_router, gate_registry, topology, parallel, notices, stats, cpu_alloc, launch, progress,
+              gates/, dispatch/, experts/, layer, models/, data/
     features  placement/, dynamic/, inference/, perfmodel/, gate_sync
     adapters  megatron_adapter/, fairseq_adapter/, train, train_checkpoint, cluster/
     tools     cli, trace_cli, bench/, reproduce/
@@ -16,8 +16,8 @@ import pytest
 PKG = "megamoe_plugin"
 ROOT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), PKG)
 LAYERS = {
-    "core": ["config", "gate_registry", "topology", "parallel", "notices", "stats", "cpu_alloc", "gates", "dispatch",
-             "experts", "layer", "models", "data", "launch", "progress", "__init__"],
+    "core": ["config", "config_router", "gate_registry", "topology", "parallel", "notices", "stats", "cpu_alloc",
+             "gates", "dispatch", "experts", "layer", "models", "data", "launch", "progress", "__init__"],
     "features": ["placement", "dynamic", "inference", "perfmodel", "gate_sync"],
     "adapters": ["megatron_adapter", "fairseq_adapter", "train", "train_checkpoint", "cluster"],
     "tools": ["cli", "trace_cli", "bench", "reproduce"],

@@ -91,12 +91,12 @@ def test_lm_flags_use_fairseq_moe_names_and_map_to_config(data):
     assert isinstance(cfg, MoEConfig)
     assert (cfg.num_experts, cfg.top_k, cfg.gate, cfg.dispatch, cfg.topology) == (8, 2, "gshard", "capacity", "[[0]]")
     assert cfg.aux_loss_coeff == 0.05 and cfg.second_expert_policy == "all"
-    assert cfg.gate_fp32 is True and cfg.normalize_top_k is False and cfg.activation == "gelu"
+    assert cfg.router_dtype == "fp32" and cfg.normalize_top_k is False and cfg.activation == "gelu"
     # fairseq: capacity = fraction * tokens; ours: CF * tokens * k / E  ->  CF = fraction * E / k
     assert cfg.eval_capacity_factor == pytest.approx(0.25 * 8 / 2)
     # defaults where fairseq's moe branch has its own: fp32 gating off, normalisation on, relu from the arch
     cfg = config_from_fairseq(_parse(data, *LM))
-    assert cfg.gate_fp32 is False and cfg.normalize_top_k is True and cfg.activation == "relu"
+    assert cfg.router_dtype == "input" and cfg.normalize_top_k is True and cfg.activation == "relu"
     assert cfg.num_experts == 4 and cfg.eval_capacity_factor == 0.0 and cfg.expert_parallel_size == 1
 
 
@@ -106,7 +106,7 @@ def test_translation_flags_use_fairseq_moe_names_and_map_to_config(data):
                   "--moe-gating-use-fp32", "--moe-freq", "1", "--moe-dispatch", "capacity")
     cfg = config_from_fairseq(args)
     assert (cfg.num_experts, cfg.gate, cfg.top_k, cfg.dispatch) == (6, "switch", 1, "capacity")
-    assert cfg.aux_loss_coeff == 0.2 and cfg.gate_fp32 is True and cfg.second_expert_policy == "all"
+    assert cfg.aux_loss_coeff == 0.2 and cfg.router_dtype == "fp32" and cfg.second_expert_policy == "all"
     assert cfg.eval_capacity_factor == pytest.approx(0.5 * 6 / 1)
     assert args.moe_freq == 1
     # -1 = the training capacity
@@ -114,7 +114,7 @@ def test_translation_flags_use_fairseq_moe_names_and_map_to_config(data):
     assert config_from_fairseq(args).eval_capacity_factor == 1.5
     # the architecture's defaults
     cfg = config_from_fairseq(_parse(data, *MT))
-    assert (cfg.num_experts, cfg.gate, cfg.top_k, cfg.gate_fp32) == (4, "gshard", 2, False)
+    assert (cfg.num_experts, cfg.gate, cfg.top_k, cfg.router_dtype) == (4, "gshard", 2, "input")
 
 
 @pytest.mark.parametrize("argv", [LM, MT], ids=["lm", "translation"])

@@ -215,3 +215,23 @@ def test_expert_groups_inside_data_parallel(lm_data, tmp_path):
             assert abs(last[0][name] - last[1][name]) > 1e-6, name
         else:
             assert all(last[r][name] == pytest.approx(last[0][name], rel=1e-6) for r in range(4)), name
+
+
+def test_lm_with_megatron_core_router_family(lm_data, tmp_path):
+    """fairseq-train with DeepSeek-V3's router (the same MoEConfig options as every trainer): sigmoid scores,
+    group-limited top-4, the per-sequence loss and the expert bias, which moves by +-rate once per update and is
+    saved in the checkpoint."""
+    import torch
+    rate = 0.01
+    _, out = fairseq_cli("train", lm_args(lm_data, tmp_path / "ck", 5, "--moe-gate", "topk", "--moe-top-k", "4",
+                                          "--moe-expert-count", "8", "--moe-score-function", "sigmoid",
+                                          "--moe-router-expert-bias", "--moe-router-bias-update-rate", str(rate),
+                                          "--moe-num-groups", "4", "--moe-group-topk", "2",
+                                          "--moe-load-balancing-type", "seq_aux_loss:0.01"))
+    rows = updates(out)
+    assert sorted(rows) == list(range(1, 6)) and all(r["moe_aux"] > 0 for r in rows.values()), out[-3000:]
+    model = torch.load(tmp_path / "ck" / "checkpoint_last.pt", weights_only=False)["model"]
+    biases = [v for k, v in model.items() if k.endswith("gate.expert_bias")]
+    assert biases and all(b.abs().max() > 0 for b in biases), list(model)
+    for b in biases:         # 5 updates of +-rate (or 0) per expert
+        assert torch.allclose(b / rate, (b / rate).round(), atol=1e-4) and (b / rate).abs().max() <= 5

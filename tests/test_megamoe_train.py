@@ -87,9 +87,9 @@ def test_every_moe_option_is_a_flag(capsys):
         if opt["type"] is bool:
             assert "--no-" + opt["flag"][2:] in flags
     args = parser.parse_args(["--moe-num-experts", "4", "--moe-gate", "switch", "--moe-top-k", "1",
-                              "--no-moe-gate-fp32", "--moe-capacity-factor", "1.5"])
+                              "--moe-router-dtype", "input", "--moe-capacity-factor", "1.5"])
     cfg = train.moe_config_from_args(args)
-    assert (cfg.num_experts, cfg.gate, cfg.top_k, cfg.gate_fp32, cfg.capacity_factor) == (4, "switch", 1, False, 1.5)
+    assert (cfg.num_experts, cfg.gate, cfg.top_k, cfg.router_dtype, cfg.capacity_factor) == (4, "switch", 1, "input", 1.5)
     default = train.moe_config_from_args(parser.parse_args([]))
     assert (default.num_experts, default.gate, default.top_k, default.dispatch, default.aux_loss_coeff) == \
         (8, "gshard", 2, "dropless", 0.01)
@@ -189,7 +189,7 @@ ARCH = dict(seed=3, hidden=32, heads=2, layers=2, ffn_hidden=48, seq_len=16, moe
 
 def _moe_cfg(world, ep):
     return MoEConfig(num_experts=4, top_k=2, gate="gshard", second_expert_policy="all", aux_loss_coeff=0.0,
-                     gate_fp32=False,                                # all float64: compare to 1e-12
+                     router_dtype="input",                           # all float64: compare to 1e-12
                      world_size=world, expert_parallel_size=ep)
 
 
@@ -250,3 +250,27 @@ def test_logged_throughput_counts_the_training_steps_only(capsys, monkeypatch):
     tokens = 8 * 64
     logged = sum(3 * tokens / h["tokens_per_s"] for h in res.history)
     assert abs(logged / res.train_seconds - 1) < 0.05, (logged, res.train_seconds)
+
+
+def test_router_family_trains_moves_its_expert_bias_and_resumes(tmp_path):
+    """DeepSeek-V3's router in `megamoe train`: sigmoid scores, group-limited top-4, scaling, the per-sequence loss
+    and the aux-loss-free expert bias, which the trainer moves once per step by +-rate (the sign of each expert's
+    load error) and which a checkpoint carries: the resumed run ends where the uninterrupted one does."""
+    ck = str(tmp_path / "ck.pt")
+    rate = 0.01
+    common = TINY + ["--steps", "8", "--log-interval", "4", "--moe-gate", "topk", "--moe-top-k", "4",
+                     "--moe-score-function", "sigmoid", "--moe-router-expert-bias", "--moe-router-bias-update-rate",
+                     str(rate), "--moe-num-groups", "4", "--moe-group-topk", "2", "--moe-topk-scaling-factor", "2.5",
+                     "--moe-load-balancing-type", "seq_aux_loss:0.001"]
+    straight = train.main(common)
+    biases = [m.expert_bias for m in straight.model.modules() if getattr(m, "expert_bias", None) is not None]
+    assert biases and all(b.abs().max() > 0 for b in biases)
+    for b in biases:        # 8 sign steps of +-rate (or 0) per expert: a multiple of the rate, at most 8 of them
+        steps = b / rate
+        assert torch.allclose(steps, steps.round(), atol=1e-4) and steps.abs().max() <= 8
+    assert straight.history[-1]["aux_loss"] > 0
+    train.main(common + ["--exit-interval", "4", "--save", ck])
+    assert any(k.endswith("gate.expert_bias") for k in torch.load(ck, weights_only=True)["model"])
+    resumed = train.main(common + ["--resume", ck])
+    for name, value in resumed.model.state_dict().items():
+        assert torch.equal(value, straight.model.state_dict()[name]), name

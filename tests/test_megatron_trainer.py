@@ -54,9 +54,9 @@ def records(record_dir, rank):
 def test_trainer_two_processes_loss_falls_and_hook_runs(layout, cache, tmp_path):
     iters = 8
     trace = str(tmp_path / "trace" / "routing")
-    losses, out = run(2, [*layout, "--train-iters", str(iters), "--moe-plugin-placement",
-                          "recording_policy:RecordingPolicy", "--moe-plugin-trace-path", trace], cache,
-                      record_dir=tmp_path)
+    losses, out = run(2, [*layout, "--train-iters", str(iters), "--moe-plugin-gate", "gshard",
+                          "--moe-plugin-placement", "recording_policy:RecordingPolicy", "--moe-plugin-trace-path",
+                          trace], cache, record_dir=tmp_path)
     assert sorted(losses) == list(range(1, iters + 1)), out[-3000:]
     assert all(math.isfinite(v) for v in losses.values())
     assert losses[iters] < losses[1] - 0.2, losses

@@ -7,6 +7,9 @@ Implementations (all compute the same function of the same x, router weight and 
 - ``ours capacity CF=c``: MoELayer in capacity mode (GShard drop rule, padded per-expert buffers).
 - ``megatron-core``: megatron-core's own MoELayer (dropless, alltoall dispatcher, SequentialMLP), built on CPU
   with the plugin's shims (skipped with a note if megatron-core is not installed).
+- ``ours dropless, deepseek-v3 router`` / ``megatron-core MoELayer, deepseek-v3 router`` (``--routers``): both
+  layers with DeepSeek-V3's router (sigmoid scores, expert bias, 4 groups, scaling 2.5, the sequence-level
+  balance loss) instead of softmax top-k; the plugin's from the same megatron-core flags ``--moe-plugin`` reads.
 - ``gshard einsum CF=c``: GShard-style static dispatch with a dense [T, E, C] mask and einsums (what fairseq's moe
   branch and DeepSpeed-MoE do), written here for the comparison.
 - ``expert floor``: only the experts' own work (fc1 -> gelu -> fc2 forward and backward, written out as GEMMs into
@@ -48,7 +51,7 @@ import torch.nn.functional as F
 
 from ..cpu_alloc import retain_freed_memory
 from ..experts.loop import _lanes_for as lanes_for, _mm_into as mm_into, _run_groups as run_groups, onednn_available
-from .layer_inputs import CONFIGS, make_inputs, route
+from .layer_inputs import CONFIGS, ROUTERS, make_inputs, route, router_fields
 from .ours import megatron_peer, ours
 from .report import emit_report
 from ..progress import Progress
@@ -56,9 +59,9 @@ from ..progress import Progress
 __all__ = ["CONFIGS", "make_inputs", "route", "emit_report", "ours", "main"]
 
 # --- implementations: each returns a callable running one forward+backward, and its dispatch-buffer bytes --------
-def megatron(x, wg, w1, w2, k):
+def megatron(x, wg, w1, w2, k, router=None):
     E, H, F_ = w1.shape
-    step, layer = megatron_peer(x, wg, w1, w2, k)
+    step, layer = megatron_peer(x, wg, w1, w2, k, router=router)
     T = x.shape[0]
     # routing map [T, E] bool + probs [T, E] fp32, permuted tokens [T*k, H] out and back
     nbytes = T * E * (1 + 4) + 2 * T * k * H * 4
@@ -281,8 +284,24 @@ def time_interleaved(fns: Dict[str, Callable[[], None]], repeat: int, progress=N
     return {name: statistics.median(ts) for name, ts in times.items()}
 
 
+def _megatron_rows(impls, notes, x, wg, w1, w2, k, y_ours, label, router=None, check=True):
+    """megatron-core's layer (with ``router``'s fields) as the row ``label``, checked to compute ``y_ours``."""
+    T, H = x.shape
+    try:
+        step, nbytes, mlayer = megatron(x, wg, w1, w2, k, router)
+        if check:   # the peer must compute the same function on the same inputs
+            with torch.no_grad():
+                y_meg = mlayer(x.view(T, 1, H))[0].view(T, H)
+            err = float((y_meg - y_ours).abs().max() / y_ours.abs().max())
+            if err > 1e-3:
+                raise AssertionError(f"{label}: megatron-core and ours disagree (rel. err {err:.2e})")
+        impls[label] = (step, nbytes)
+    except ImportError as e:
+        notes[label] = f"skipped: {e}"
+
+
 def run_config(name: str, routing: str, repeat: int, skip_gshard: bool = False, skip_megatron: bool = False,
-               check: bool = True, progress=None) -> List[dict]:
+               check: bool = True, progress=None, routers=("softmax",)) -> List[dict]:
     c = CONFIGS[name]
     H, F_, E, k, T = c["H"], c["F"], c["E"], c["k"], c["T"]
     x, wg, w1, w2 = make_inputs(H, F_, E, k, T, routing)
@@ -304,17 +323,18 @@ def run_config(name: str, routing: str, repeat: int, skip_gshard: bool = False, 
         step, nbytes, _ = ours(x, wg, w1, w2, k, "capacity", cf)
         impls[f"ours capacity CF={cf:g}"] = (step, nbytes)
     if not skip_megatron:
-        try:
-            step, nbytes, mlayer = megatron(x, wg, w1, w2, k)
-            if check:   # the peer must compute the same function on the same inputs
-                with torch.no_grad():
-                    y_meg = mlayer(x.view(T, 1, H))[0].view(T, H)
-                err = float((y_meg - y_ours).abs().max() / y_ours.abs().max())
-                if err > 1e-3:
-                    raise AssertionError(f"megatron-core and ours disagree (rel. err {err:.2e})")
-            impls["megatron-core MoELayer"] = (step, nbytes)
-        except ImportError as e:
-            notes["megatron-core MoELayer"] = f"skipped: {e}"
+        _megatron_rows(impls, notes, x, wg, w1, w2, k, y_ours, "megatron-core MoELayer", check=check)
+    for router in routers:
+        if router == "softmax":
+            continue
+        fields = router_fields(router, E, k)
+        step, nbytes, layer = ours(x, wg, w1, w2, k, router=fields)
+        impls[f"ours dropless, {router} router"] = (step, nbytes)
+        if not skip_megatron:
+            with torch.no_grad():
+                y_router = layer(x)
+            _megatron_rows(impls, notes, x, wg, w1, w2, k, y_router, f"megatron-core MoELayer, {router} router",
+                           fields, check)
     if not skip_gshard:
         for cf in (1.0, 2.0):
             step, nbytes, fwd = gshard_einsum(x, wg, w1, w2, k, cf)
@@ -379,6 +399,15 @@ def targets(rows: List[dict]) -> List[str]:
         res.append(f"FLOP rate vs dense {100 * d:.0f}%")
         if "argsort + loop" in g:
             res.append(f"vs argsort + loop {g['argsort + loop']['time'] / o['time']:.2f}x")
+        for n, r in g.items():
+            if n.startswith("ours dropless, ") and n.endswith(" router"):
+                router = n[len("ours dropless, "):-len(" router")]
+                cost = r["time"] / o["time"]
+                res.append(f"{router} router / softmax top-k {cost:.3f} (<=1.02: {'met' if cost <= 1.02 else 'MISSED'})")
+                peer = g.get(f"megatron-core MoELayer, {router} router")
+                if peer is not None and not math.isnan(peer["time"]):
+                    s = peer["time"] / r["time"]
+                    res.append(f"vs megatron with the {router} router {s:.2f}x (>=1.10: {'met' if s >= 1.10 else 'MISSED'})")
         above = o["time"] - fl["time"]
         pieces = ", ".join(f"{n[len('part: '):]} {g[n]['time'] * 1e3:.1f}" for n in g if n.startswith("part: "))
         res.append(f"ours - floor {above * 1e3:.1f} ms (alone: {pieces} ms)")
@@ -395,6 +424,9 @@ def main(argv: Optional[List[str]] = None) -> List[dict]:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--skip-gshard", action="store_true", help="skip the dense-mask einsum (slow, GiB of masks)")
     p.add_argument("--skip-megatron", action="store_true")
+    p.add_argument("--routers", default="softmax,deepseek-v3",
+                   help="routers to time, comma list of: " + ", ".join(ROUTERS) + " (softmax is always the "
+                        "baseline; deepseek-v3: sigmoid, expert bias, 4 groups, scaling 2.5, seq aux loss)")
     p.add_argument("--output", help="also write the markdown table here")
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
                    help="cuda: the GPU comparison against megatron-core's SequentialMLP / GroupedMLP / TE "
@@ -407,6 +439,10 @@ def main(argv: Optional[List[str]] = None) -> List[dict]:
     for name in args.configs.split(","):
         if name not in CONFIGS:
             p.error(f"--configs: unknown config {name!r}; known: {', '.join(CONFIGS)}")
+    routers = [r for r in args.routers.split(",") if r]
+    for router in routers:
+        if router not in ROUTERS:
+            p.error(f"--routers: unknown router {router!r}; known: {', '.join(ROUTERS)}")
     if args.device == "cuda":
         from .layer_device import main as device_main
         return device_main(args.configs.split(","), args.routing.split(","), args.repeat, args.dtype, args.output)
@@ -422,7 +458,8 @@ def main(argv: Optional[List[str]] = None) -> List[dict]:
     progress = Progress("bench layer", len(configs) * len(routings) * (args.repeat + 1))
     for name in configs:
         for routing in routings:
-            rows += run_config(name, routing, args.repeat, args.skip_gshard, args.skip_megatron, progress=progress)
+            rows += run_config(name, routing, args.repeat, args.skip_gshard, args.skip_megatron, progress=progress,
+                               routers=routers)
     table = format_table(rows)
     summary = "\n".join(targets(rows))
     header = (f"CPU fp32, {args.threads} thread(s), median of {args.repeat} interleaved forward+backward rounds, one "

@@ -16,6 +16,22 @@ CONFIGS = {
 }
 
 
+def router_fields(name: str, E: int, k: int) -> dict:
+    """megatron-core TransformerConfig router fields of a named router (what a recipe's flags set): ``softmax``
+    (megatron-core's default top-k, no loss: {}) or ``deepseek-v3`` (sigmoid scores, aux-loss-free expert bias,
+    group-limited routing over 4 groups, scaling 2.5, the sequence-level balance loss)."""
+    if name == "softmax":
+        return {}
+    if name == "deepseek-v3":
+        return dict(moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
+                    moe_router_num_groups=4, moe_router_group_topk=min(k, 2), moe_router_topk_scaling_factor=2.5,
+                    moe_router_load_balancing_type="seq_aux_loss", moe_aux_loss_coeff=1e-4, moe_router_pre_softmax=False)
+    raise ValueError(f"unknown router {name!r}; known: {', '.join(ROUTERS)}")
+
+
+ROUTERS = ("softmax", "deepseek-v3")
+
+
 def make_inputs(H, F, E, k, T, routing: str, seed: int = 0):
     """x, router weight and expert weights such that the router's top-k follows per-token preferences drawn
     uniformly (balanced) or from Zipf(1.2) popularity (skewed): x = noise + decreasing multiples of the

@@ -26,7 +26,6 @@ RENAMED: Dict[str, str] = {
     "num_experts": "moe_expert_count",
     "aux_loss_coeff": "moe_gate_loss_wt",
     "second_expert_policy": "moe_second_expert_policy",
-    "gate_fp32": "moe_gating_use_fp32",
     "eval_capacity_factor": "moe_eval_capacity_token_fraction",
 }
 # MoEConfig fields taken from fairseq's own settings (no flag of ours).
@@ -37,8 +36,11 @@ DERIVED: Dict[str, str] = {
 # fairseq's spelling differs in default or meaning: documented per option.
 OVERRIDES: Dict[str, Tuple[Any, str]] = {
     "num_experts": (8, "Number of experts in each MoE layer (over all expert-parallel ranks)."),
-    "gate_fp32": (False, "Compute the gate's logits and softmax in fp32 whatever the model dtype "
-                         "(as on fairseq's moe branch, off by default; turn it on with --fp16)."),
+    "gate": ("gshard", "Gate: gshard (fairseq's moe branch: top-2, random second expert) | topk (megatron-core's "
+                       "router: every score function, groups, expert bias) | naive | switch | hir | ta_moe, or a "
+                       "name added with @register_gate."),
+    "router_dtype": ("input", "Data type of the router's logits and weights: fp32, fp64 or input (the model's; as "
+                              "on fairseq's moe branch, where --moe-gating-use-fp32 turns fp32 on)."),
     "eval_capacity_factor": (0.0, "capacity mode, inference: capacity = this fraction of the tokens per expert; "
                                   "0 = dropless at inference (default), -1 = the training capacity."),
     "top_k": (0, "Experts chosen per token; 0 = the gate's own (switch 1, gshard 2, others 2)."),
@@ -46,6 +48,7 @@ OVERRIDES: Dict[str, Tuple[Any, str]] = {
                                 "Must divide the data-parallel world size."),
 }
 ADAPTER_FIELDS: List[Tuple[str, type, Any, str]] = [
+    ("moe_gating_use_fp32", bool, False, "fairseq's moe branch: the router in fp32 (= --moe-router-dtype fp32)."),
     ("moe_freq", int, 2, "Every moe_freq-th transformer layer (of the encoder and of the decoder) has an MoE FFN "
                          "(>= 1; a dense model is fairseq's own transformer_lm / transformer)."),
 ]
@@ -138,6 +141,8 @@ def config_from_fairseq(args, world_size: int = 1) -> MoEConfig:
             d[name] = not _get(args, dest, False)
         else:
             d[name] = _get(args, dest, OVERRIDES.get(name, (o["default"],))[0])
+    if _get(args, "moe_gating_use_fp32", False):
+        d["router_dtype"] = "fp32"
     gate = d["gate"]
     if d["top_k"] in (0, "0"):
         d["top_k"] = 1 if gate == "switch" else 2

@@ -34,7 +34,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from ..layer import moe_layers
+from ..layer import finish_global_batch, moe_layers
 from ..placement import AfterStepHook
 from ..placement.checkpoint import logical_from_gathered
 from ..stats import TraceRecorder
@@ -239,6 +239,8 @@ def _wrap_trainer(Trainer) -> None:
             if undo is not None:
                 undo()
                 dyn.clear_batch()           # validation forwards must not key into training samples
+        world = dist.group.WORLD if dist.is_initialized() and dist.get_world_size() > 1 else None
+        finish_global_batch(_raw_model(self), world, world)      # expert bias / global loss: once per global batch
         if dyn is not None and self.get_num_updates() > before:
             dyn.after_update(self.get_num_updates())       # every rank, every update: two all-reduces
         sync = getattr(self, "_megamoe_gate_sync", None)

@@ -110,6 +110,7 @@ def build_megatron_moe_layer(
     seed: Optional[int] = None,
     grouped_gemm: bool = False,
     use_te: bool = False,
+    router: Optional[dict] = None,
 ):
     """Return megatron-core's ``MoELayer`` (a ``torch.nn.Module``, in training mode).
 
@@ -125,6 +126,8 @@ def build_megatron_moe_layer(
     ``seed``: if given, the random init uses a private RNG stream seeded with it (the
     global CPU RNG is left as it was); if None the init draws from the global CPU RNG.
     Load real weights with ``load_expert_weights`` / ``load_router_weight`` (SequentialMLP only).
+    ``router``: TransformerConfig router fields that replace the defaults above (e.g. a DeepSeek-V3 router:
+    ``moe_router_score_function="sigmoid"``, ``moe_router_enable_expert_bias=True``, groups, scaling, a loss).
     ``grouped_gemm`` / ``use_te``: megatron's GroupedMLP (needs the ``grouped_gemm`` package) or Transformer
     Engine's grouped linear experts instead, for timing comparisons on a GPU (random init, weights not loadable).
 
@@ -152,7 +155,7 @@ def build_megatron_moe_layer(
                 "or a callable"
             ) from None
 
-    config = TransformerConfig(
+    fields = dict(
         num_layers=1,
         hidden_size=hidden_size,
         ffn_hidden_size=ffn_hidden_size,
@@ -196,6 +199,7 @@ def build_megatron_moe_layer(
         hidden_dropout=0.0,
         attention_dropout=0.0,
     )
+    config = TransformerConfig(**{**fields, **(router or {})})
     spec = get_moe_module_spec(use_te=use_te, num_experts=num_experts, moe_grouped_gemm=grouped_gemm)
 
     def _build():
