@@ -128,3 +128,29 @@ def test_tensor_parallel_needs_sequence_parallel_and_expert_tp_1(monkeypatch):
     args = mod.parse_args(["--num-experts", "4", "--tensor-model-parallel-size", "2", "--sequence-parallel",
                            "--expert-tensor-parallel-size", "1", "--moe-plugin"])
     assert isinstance(args.moe_plugin_config, MoEConfig)
+
+
+def test_the_plugin_calls_no_deprecated_megatron_api():
+    """A training forward/backward of the plugin's layer with every loss, the metrics report and a sharded state
+    dict: no DeprecationWarning / FutureWarning raised from the plugin's own code (megatron-core's deprecated
+    calls, e.g. save_to_aux_losses_tracker, warn at their caller)."""
+    import os
+    import warnings
+
+    import megamoe_plugin
+    from megamoe_plugin.megatron_adapter.trainer import report_moe_metrics
+
+    pkg = os.path.dirname(megamoe_plugin.__file__)
+    layer, _ = _plugin_layer("topk", top_k=2, z_loss_coeff=0.001)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out, _ = layer(torch.randn(8, 3, H))
+        out.sum().backward()
+        aux = {}
+        report_moe_metrics(loss_scale=1.0, iteration=1, total_loss_dict=aux, force_initialize=True,
+                           track_names=["load_balancing_loss", "z_loss"], num_layers=2, moe_layer_freq=1)
+        layer.sharded_state_dict(prefix="decoder.layers.0.mlp.")
+    assert aux and all(v > 0 for v in aux.values()), aux
+    ours = [f"{w.category.__name__} at {w.filename}:{w.lineno}: {w.message}" for w in caught
+            if issubclass(w.category, (DeprecationWarning, FutureWarning)) and w.filename.startswith(pkg)]
+    assert not ours, ours

@@ -21,7 +21,8 @@ from megamoe_plugin.config import ConfigError
 from test_megatron_trainer import run
 
 ITERS = 6
-COMMON = ["--train-iters", str(ITERS), "--global-batch-size", "8", "--moe-plugin-second-expert-policy", "all"]
+COMMON = ["--train-iters", str(ITERS), "--global-batch-size", "8", "--moe-plugin-gate", "gshard",
+          "--moe-plugin-second-expert-policy", "all"]
 EP2 = ["--expert-model-parallel-size", "2"]
 PLACEMENT = re.compile(r"iteration\s+(\d+)/\d+ \| .*\| grad norm ([0-9.]+) \|.*placement moves (\d+) replicas (\d+) "
                        r"shadowed (\d+) balance ([0-9.]+)")

@@ -205,8 +205,7 @@ class Gate(nn.Module):
     # --- shared ------------------------------------------------------------------------------------------------
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         if self.training and self.cfg.jitter_eps > 0:
-            eps = self.cfg.jitter_eps
-            x = x * ((1.0 - eps) + torch.rand(x.shape, dtype=x.dtype, device=x.device) * (2.0 * eps))
+            x = jitter(x, self.cfg.jitter_eps)
         dtype = _ROUTER_DTYPES.get(self.cfg.router_dtype, x.dtype)
         bias = None if self.bias is None else self.bias.to(dtype)
         return F.linear(x.to(dtype), self.weight.to(dtype), bias)
@@ -394,6 +393,13 @@ class Gate(nn.Module):
                           valid_tokens=x.shape[0])
         routing.__dict__["masked_ids"] = flat
         return routing
+
+
+def jitter(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """Switch's multiplicative input jitter, x * U(1 - eps, 1 + eps), drawn as megatron-core draws it."""
+    low = torch.tensor(1.0 - eps, dtype=x.dtype, device=x.device)
+    high = torch.tensor(1.0 + eps, dtype=x.dtype, device=x.device)
+    return x * (low + torch.rand(x.shape, dtype=x.dtype, device=x.device) * (high - low))
 
 
 _SIDE_STREAMS: Dict[Any, Any] = {}

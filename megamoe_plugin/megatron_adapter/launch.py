@@ -49,8 +49,31 @@ def main(argv=None) -> None:
     from .megatron_lm import install_megatron_lm_hooks, wrap_gpt_builders
     install_megatron_lm_hooks()
     wrap_gpt_builders()
+    _spawned_children_start_here(script)
     runpy.run_path(script, run_name="__main__")
+
+
+def _spawned_children_start_here(script: str) -> None:
+    """A process the script spawns (megatron-core's asynchronous checkpoint writer starts a multiprocessing
+    manager) imports its parent's ``__main__`` first: the script, without the hooks installed above, which on a
+    torch without triton or CUDA fails to import. Such children import this launcher instead (as
+    ``__mp_main__``: the hooks, not the script's run)."""
+    import multiprocessing.spawn as spawn
+
+    original = spawn.get_preparation_data
+
+    def preparation_data(name):
+        data = original(name)
+        if os.path.abspath(data.get("init_main_from_path", "")) == script:
+            data.pop("init_main_from_path")
+            data["init_main_from_name"] = __spec__.name if __spec__ is not None else __name__
+        return data
+
+    spawn.get_preparation_data = preparation_data
 
 
 if __name__ == "__main__":
     main()
+elif __name__ == "__mp_main__":            # a child the script spawned (_spawned_children_start_here)
+    from .megatron_lm import install_megatron_lm_hooks
+    install_megatron_lm_hooks()

@@ -45,7 +45,7 @@ from ..dispatch.plan import DispatchPlan
 from ..experts import ExpertBank, check_input_dtype
 from ..experts.activations import is_gated
 from ..gates import build_gate
-from ..gates.base import Routing, TokenBatch
+from ..gates.base import Routing, TokenBatch, jitter
 from ..parallel import ExpertParallel
 from ..stats import StatsSink
 
@@ -107,6 +107,8 @@ class PluginRouter(MegatronModule):
         self.layer_number = layer_number
 
     def forward(self, tokens: torch.Tensor, capacity=None, assigned=None, batch=None) -> Routing:
+        if not self.training and self.config.moe_input_jitter_eps:
+            tokens = jitter(tokens, self.config.moe_input_jitter_eps)    # megatron-core jitters in evaluation too
         return self.gate(tokens, capacity=capacity, assigned=assigned, batch=batch)
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: Optional[dict] = None):

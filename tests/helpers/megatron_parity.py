@@ -60,6 +60,8 @@ ROWS = {
                           moe_aux_loss_coeff=0.0, add_bias_linear=False),
     "quantile_balancing": dict(num_moe_experts=8, moe_router_topk=2, moe_router_load_balancing_type="quantile_balancing",
                                moe_aux_loss_coeff=0.0, moe_router_dtype="fp32", add_bias_linear=False),
+    "switch_jitter": dict(num_moe_experts=8, moe_router_topk=1, moe_router_pre_softmax=True, moe_input_jitter_eps=0.1,
+                          moe_aux_loss_coeff=1e-2, add_bias_linear=False),
     "probs_on_input_top1": dict(num_moe_experts=8, moe_router_topk=1, moe_router_pre_softmax=True,
                                 moe_apply_probs_on_input=True, moe_aux_loss_coeff=1e-2, add_bias_linear=False),
     "aux_list_with_z_and_per_token_loss": dict(
@@ -128,10 +130,12 @@ def _native_and_plugin(tc):
     from megamoe_plugin.megatron_adapter.spec import moe_plugin_spec
     import torch.distributed as dist
 
+    from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
     spec = get_gpt_layer_local_spec(num_experts=tc.num_moe_experts)
-    native = build_mlp(spec.submodules.mlp, tc)
+    groups = get_default_pg_collection()
+    native = build_mlp(spec.submodules.mlp, tc, pg_collection=groups)
     cfg = config_from_megatron(tc, world_size=dist.get_world_size())
-    plugin = build_mlp(moe_plugin_spec(spec, cfg).submodules.mlp, tc)
+    plugin = build_mlp(moe_plugin_spec(spec, cfg).submodules.mlp, tc, pg_collection=groups)
     with torch.no_grad():
         plugin.router.gate.weight.copy_(native.router.weight)
         if native.router.bias is not None:
@@ -254,8 +258,22 @@ def compare(row: str, tp: int = 1, ep: int = 1, seed: int = 0) -> dict:
         diffs["expert bias moved"] = -native.router.expert_bias.abs().max().item()     # < 0: it did move
     if row == "quantile_balancing":
         diffs.update(_quantile_second_step(native, plugin, tc, x, g, seed))
+    diffs["eval output"] = _eval_difference(native, plugin, x, padding, seed)
     diffs["routed"] = -float(plugin.last_routing.kept.sum())                           # < 0: tokens were routed
     return diffs
+
+
+def _eval_difference(native, plugin, x, padding, seed) -> float:
+    """The two layers in evaluation mode (no losses, no bias counting; megatron-core still drops at capacity and
+    still jitters) on the same input."""
+    outs = []
+    for layer in (native, plugin):
+        layer.eval()
+        torch.manual_seed(seed + 11)
+        with torch.no_grad():
+            outs.append((layer(x, padding_mask=padding) if padding is not None else layer(x))[0])
+        layer.train()
+    return (outs[0] - outs[1]).abs().max().item()
 
 
 def _quantile_second_step(native, plugin, tc, x, g, seed) -> dict:
