@@ -38,7 +38,8 @@ RECIPES = {
                                 "--moe-router-num-groups", "4", "--moe-router-group-topk", "2",
                                 "--moe-router-topk-scaling-factor", "2.5", "--moe-router-load-balancing-type",
                                 "seq_aux_loss", "--moe-aux-loss-coeff", "1e-4", "--moe-shared-expert-intermediate-size",
-                                "64", "--moe-router-dtype", "fp32", "--moe-token-dispatcher-type", "alltoall"],
+                                "64", "--moe-router-dtype", "fp32", "--moe-token-dispatcher-type", "alltoall",
+                                "--mtp-num-layers", "1", "--position-embedding-type", "rope", "--no-rope-fusion"],
     "deepseek_v2_lite": NATIVE_OK + ["--num-experts", "8", "--moe-router-topk", "6", "--moe-router-pre-softmax",
                                      "--moe-router-load-balancing-type", "seq_aux_loss", "--moe-aux-loss-coeff", "1e-3",
                                      "--moe-shared-expert-intermediate-size", "96"],
@@ -103,6 +104,8 @@ def test_recipes_train_with_the_plugin(checkout, tmp_path):  # noqa: F811
         assert sorted(losses) == [1, 2, 3] and all(0 < v < 10 for v in losses.values()), (name, _tail(out))
         router = ROUTER_LINE.search(out)
         assert router and all(w in router.group(1) for w in ROUTER_WORDS[name]), (name, _tail(out))
+        if "--mtp-num-layers" in flags:      # the MTP block's MoE layer is the plugin's too: its metrics say L3
+            assert re.search(r"\[megamoe-plugin\] iteration\s+3 \|.*\| L3 experts", out), (name, _tail(out))
     assert "capacity 1 (position, padded)" in out, _tail(out)
 
 

@@ -86,7 +86,7 @@ class PluginStepHooks:
                     raise ValueError("megamoe-plugin: --moe-plugin-assignment-cache needs the sequence length: "
                                      "pass --moe-plugin-assignment-cache-positions")
                 cfg = cfg.replace(assignment_cache_positions=positions)
-            layers = {int(m.layer_number or 0): m for m in plugin_layers(model)}
+            layers = {int(m.layer_id or 0): m for m in plugin_layers(model)}
             self.dynamic = DynamicRuntime(cfg, layers)
         return self.dynamic
 

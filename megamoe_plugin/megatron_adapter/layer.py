@@ -348,7 +348,11 @@ class PluginMoELayer(MegatronMoELayer):
 
     @property
     def layer_id(self):
-        """Megatron's layer number (set when the block is built): the id traces and placement files use."""
+        """Megatron's layer number (set when the block is built): the id traces, metrics and placement files use.
+        A multi-token-prediction layer counts its own layers from 1; it comes after the decoder's, as in
+        megatron-core's metrics."""
+        if self.layer_number is not None and self.router.is_mtp_layer:
+            return self.layer_number + self.config.num_layers
         return self.layer_number
 
     # --- forward -----------------------------------------------------------------------------------------------
@@ -396,7 +400,7 @@ class PluginMoELayer(MegatronMoELayer):
             out = self._attach_aux_losses(out, routing)
         self.aux_losses = {k: v.detach() for k, v in routing.aux_losses.items()}
         self.last_routing = routing
-        self.stats.record(self.layer_number if self.layer_number is not None else 0, routing)
+        self.stats.record(self.layer_id if self.layer_id is not None else 0, routing)
         return out
 
     def forward(self, hidden_states: torch.Tensor, intermediate_tensors=None, padding_mask=None):

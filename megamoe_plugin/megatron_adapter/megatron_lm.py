@@ -138,6 +138,11 @@ def _rank() -> int:
     return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
 
 
+def _moe_layer_count(args) -> int:
+    """Layer numbers the plugin's layers can have: the decoder's, then the multi-token-prediction block's."""
+    return args.num_layers + (getattr(args, "mtp_num_layers", None) or 0)
+
+
 def after_train_step(args, model, optimizer, iteration: int) -> None:
     """What runs on every rank after a successful ``train_step``; ``iteration`` = optimizer steps done."""
     from .hooks import get_step_hooks
@@ -148,7 +153,7 @@ def after_train_step(args, model, optimizer, iteration: int) -> None:
         problem = check_nonfinite([plugin_stats()], iteration, torch.distributed.group.WORLD)
         if problem:
             raise NonFiniteRoutingError(problem)
-    hooks = get_step_hooks(cfg, args.num_layers)
+    hooks = get_step_hooks(cfg, _moe_layer_count(args))
     hooks.after_step(model, optimizer, iteration=iteration)
     log_interval = getattr(args, "log_interval", 0) or 0
     if log_interval > 0 and iteration % log_interval == 0:
@@ -227,7 +232,7 @@ def _wrap_setup(setup: Callable) -> Callable:
         if cfg is not None:
             from .hooks import get_step_hooks
             from megatron.training.global_vars import get_args
-            get_step_hooks(cfg, get_args().num_layers).attach_gate_sync(out[0], out[1])
+            get_step_hooks(cfg, _moe_layer_count(get_args())).attach_gate_sync(out[0], out[1])
         return out
 
     wrapped._megamoe_wrapped = True
