@@ -123,3 +123,14 @@ def test_token_batch_layouts():
 def test_router_options_that_cannot_be_honoured_name_their_flag(kw, flag):
     with pytest.raises(ConfigError, match=flag):
         MoEConfig(num_experts=8, **kw)
+
+
+def test_expert_bias_stays_fp32_through_a_cast_and_a_checkpoint():
+    g = _gate(num_experts=4, top_k=2, score_function="sigmoid", router_expert_bias=True)
+    with torch.no_grad():
+        g.expert_bias.copy_(torch.tensor([1e-3, -2e-3, 3.0e-3, 0.0]))
+    saved = {k: v.clone() for k, v in g.state_dict().items()}
+    g = g.to(torch.bfloat16)                       # what a bf16 model wrapper does to buffers
+    g.load_state_dict(saved)
+    assert g.expert_bias.dtype == torch.float32 and torch.equal(g.expert_bias, saved["expert_bias"])
+    assert g.state_dict()["expert_bias"].dtype == torch.float32

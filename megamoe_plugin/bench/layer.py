@@ -233,6 +233,18 @@ def parts(x, wg, w1, w2, k) -> Dict[str, Callable[[], None]]:
     return {"part: gate": gate, "part: permutation": permutation, "part: combine": combine}
 
 
+def gate_step(layer, x) -> Callable[[], None]:
+    """Our layer's gate alone, forward and backward (combine weights and aux losses): the router's own cost."""
+    gate = layer.gate
+    xin = x.clone().requires_grad_()
+
+    def step():
+        gate.weight.grad = xin.grad = None
+        r = gate(xin)
+        (r.weights.sum() + r.aux_loss()).backward()
+    return step
+
+
 def dense_mlp(x, k, F_):
     T, H = x.shape
     g = torch.Generator().manual_seed(1)
@@ -324,12 +336,15 @@ def run_config(name: str, routing: str, repeat: int, skip_gshard: bool = False, 
         impls[f"ours capacity CF={cf:g}"] = (step, nbytes)
     if not skip_megatron:
         _megatron_rows(impls, notes, x, wg, w1, w2, k, y_ours, "megatron-core MoELayer", check=check)
+    if len(routers) > 1:
+        impls["part: our gate, softmax router"] = (gate_step(layer, x), 0)
     for router in routers:
         if router == "softmax":
             continue
         fields = router_fields(router, E, k)
         step, nbytes, layer = ours(x, wg, w1, w2, k, router=fields)
         impls[f"ours dropless, {router} router"] = (step, nbytes)
+        impls[f"part: our gate, {router} router"] = (gate_step(layer, x), 0)
         if not skip_megatron:
             with torch.no_grad():
                 y_router = layer(x)
@@ -404,6 +419,11 @@ def targets(rows: List[dict]) -> List[str]:
                 router = n[len("ours dropless, "):-len(" router")]
                 cost = r["time"] / o["time"]
                 res.append(f"{router} router / softmax top-k {cost:.3f} (<=1.02: {'met' if cost <= 1.02 else 'MISSED'})")
+                gates = g.get(f"part: our gate, {router} router"), g.get("part: our gate, softmax router")
+                if all(gates):
+                    extra = (gates[0]["time"] - gates[1]["time"]) / o["time"]
+                    res.append(f"its gate alone {gates[0]['time'] * 1e3:.1f} ms vs softmax's {gates[1]['time'] * 1e3:.1f}"
+                               f" ms: {100 * extra:+.1f}% of the layer")
                 peer = g.get(f"megatron-core MoELayer, {router} router")
                 if peer is not None and not math.isnan(peer["time"]):
                     s = peer["time"] / r["time"]
@@ -432,6 +452,10 @@ def main(argv: Optional[List[str]] = None) -> List[dict]:
                    help="cuda: the GPU comparison against megatron-core's SequentialMLP / GroupedMLP / TE "
                         "(bench/layer_device.py)")
     p.add_argument("--dtype", default="fp32", choices=("fp32", "bf16", "fp16"), help="with --device cuda")
+    p.add_argument("--keep-denormals", action="store_true",
+                   help="leave denormal floats as they are (default: flushed to zero for every implementation; on "
+                        "CPUs whose denormal arithmetic is slow, a softmax router's gradients of near-zero "
+                        "probabilities make its GEMMs many times slower, whatever the layer)")
     p.add_argument("--no-retain-freed-memory", action="store_true",
                    help="leave glibc's malloc thresholds alone (every implementation then page-faults its large "
                         "buffers in every step)")
@@ -449,6 +473,7 @@ def main(argv: Optional[List[str]] = None) -> List[dict]:
     if args.dtype != "fp32":
         p.error("--dtype: the CPU benchmark is fp32 (bf16 comparisons are the --device cuda run)")
     torch.set_num_threads(args.threads)
+    flushed = not args.keep_denormals and torch.set_flush_denormal(True)
     retained = False if args.no_retain_freed_memory else retain_freed_memory()
     rows = []
     configs, routings = args.configs.split(","), args.routing.split(",")
@@ -463,7 +488,8 @@ def main(argv: Optional[List[str]] = None) -> List[dict]:
     table = format_table(rows)
     summary = "\n".join(targets(rows))
     header = (f"CPU fp32, {args.threads} thread(s), median of {args.repeat} interleaved forward+backward rounds, one "
-              f"process, glibc malloc {'retaining freed memory' if retained else 'default'} (same for every "
-              f"implementation). Measured on this machine (torch {torch.__version__}).")
+              f"process, glibc malloc {'retaining freed memory' if retained else 'default'}, denormals "
+              f"{'flushed to zero' if flushed else 'kept'} (same for every implementation). Measured on this machine "
+              f"(torch {torch.__version__}).")
     emit_report([header, table, summary], args.output, separators=["\n", "\n\n"])
     return rows

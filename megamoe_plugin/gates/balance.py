@@ -58,6 +58,8 @@ def expert_counts(ids: torch.Tensor, num_experts: int, valid: Optional[torch.Ten
     """Assignments per expert [E] (or per sequence and expert [S, E]) of ids [T, k], padding tokens excluded; an
     id equal to ``num_experts`` (an assignment that was not kept) counts nowhere."""
     flat = ids.reshape(-1)
+    if sequence_of is None and num_sequences > 1:
+        raise ValueError("per-sequence counts of several sequences need each token's sequence")
     if sequence_of is not None:
         flat = flat + (sequence_of.unsqueeze(1).expand_as(ids).reshape(-1) * num_experts)
     size = num_experts * (num_sequences if sequence_of is not None else 1)
@@ -66,10 +68,11 @@ def expert_counts(ids: torch.Tensor, num_experts: int, valid: Optional[torch.Ten
     return counts.view(num_sequences, num_experts) if sequence_of is not None else counts
 
 
-def sequence_prob_sums(scores: torch.Tensor, sequence_of: torch.Tensor, num_sequences: int) -> torch.Tensor:
-    """[S, E]: each sequence's sum of scores (differentiable)."""
-    out = scores.new_zeros(num_sequences, scores.shape[1])
-    return out.index_add(0, sequence_of, scores)
+def sequence_prob_sums(scores: torch.Tensor, sequence_of: Optional[torch.Tensor], num_sequences: int) -> torch.Tensor:
+    """[S, E]: each sequence's sum of scores (differentiable); ``sequence_of`` None: one sequence."""
+    if sequence_of is None:
+        return scores.sum(0, keepdim=True)
+    return scores.new_zeros(num_sequences, scores.shape[1]).index_add(0, sequence_of, scores)
 
 
 def z_loss(logits: torch.Tensor, coeff: float, padding: Optional[torch.Tensor] = None) -> torch.Tensor:

@@ -245,7 +245,11 @@ class Gate(nn.Module):
         return logits, scores, ids, kept, weights * kept, aux
 
     def _balance_losses(self, logits, scores, ids, kept, batch) -> Dict[str, torch.Tensor]:
-        aux_scores, aux_ids = aux_loss_scores(logits, scores, self.cfg.score_function, self.top_k)
+        # the losses measure the router's unconstrained top-k: the choice itself when nothing constrained it
+        plain = (type(self).select is Gate.select and self.routing_rule is None and not self.cfg.group_topk
+                 and getattr(self, "expert_bias", None) is None)
+        aux_scores, aux_ids = aux_loss_scores(logits, scores, self.cfg.score_function, self.top_k,
+                                              ids if plain else None)
         valid = None if batch is None or batch.padding is None else ~batch.padding
         if valid is not None:
             aux_scores = aux_scores * valid.unsqueeze(-1)
@@ -267,10 +271,10 @@ class Gate(nn.Module):
     def _sequence_loss(self, scores, ids, valid, batch, coeff):
         """seq_aux_loss: Switch's loss per sequence (counts over ``seq_group``), averaged over the sequences; a
         sequence's token count is the group's tokens / sequences (megatron-core's, for equal lengths)."""
-        S = batch.num_sequences if batch is not None else 1
-        seq_of = batch.sequence_of if batch is not None and batch.sequence_of is not None else \
-            torch.zeros(ids.shape[0], dtype=torch.long, device=ids.device)
-        counts = B.all_reduce_sum(B.expert_counts(ids, self.num_experts, valid, seq_of, S), self.seq_group)
+        seq_of = batch.sequence_of if batch is not None else None
+        S = batch.num_sequences if seq_of is not None else 1
+        counts = B.all_reduce_sum(B.expert_counts(ids, self.num_experts, valid, seq_of, S).view(S, -1),
+                                  self.seq_group)
         total = self._group_tokens(counts, ids.shape[1], valid, ids.shape[0] * B.group_size(self.seq_group)) / S
         prob_sums = B.sequence_prob_sums(scores, seq_of, S)
         return B.switch_loss(prob_sums, counts, total, ids.shape[1], self.num_experts, coeff) / S
@@ -310,6 +314,14 @@ class Gate(nn.Module):
             t = getattr(self, name, None)
             if t is not None and t.dtype != torch.float32:
                 t.data = t.data.float()
+
+    def _load_from_state_dict(self, *args, **kwargs):
+        self._keep_fp32_state()          # load the checkpoint's fp32 bias into an fp32 buffer, not a cast copy
+        return super()._load_from_state_dict(*args, **kwargs)
+
+    def _save_to_state_dict(self, *args, **kwargs):
+        self._keep_fp32_state()
+        return super()._save_to_state_dict(*args, **kwargs)
 
     def reset_global_batch_state(self) -> None:
         """Start a new global batch: the expert bias's counts, the global loss's counts, the quantile sums."""

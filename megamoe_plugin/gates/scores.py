@@ -39,7 +39,9 @@ def topk_ids(scores: torch.Tensor, k: int, num_groups: int = 0, group_topk: int 
     if group_topk:
         T, E = scores.shape
         grouped = scores.view(T, num_groups, E // num_groups)
-        group_scores = grouped.topk(k // group_topk, dim=-1)[0].sum(dim=-1)             # [T, G]
+        per_group = k // group_topk
+        group_scores = (grouped.amax(dim=-1) if per_group == 1 else                      # [T, G]
+                        grouped.topk(per_group, dim=-1)[0].sum(dim=-1))
         chosen = torch.topk(group_scores, k=group_topk, dim=-1, sorted=False)[1]          # [T, group_topk]
         allowed = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, chosen, True)
         scores = scores.masked_fill(~allowed.repeat_interleave(E // num_groups, dim=1), float("-inf"))
@@ -63,12 +65,13 @@ def combine_weights(logits: torch.Tensor, scores: torch.Tensor, ids: torch.Tenso
     return w.type_as(logits)
 
 
-def aux_loss_scores(logits: torch.Tensor, scores: torch.Tensor, score_function: str, k: int
-                    ) -> Tuple[torch.Tensor, torch.Tensor]:
-    """(scores [T, E] fp32 summing to 1 per token, their top-k ids [T, k]): what the balance losses measure."""
+def aux_loss_scores(logits: torch.Tensor, scores: torch.Tensor, score_function: str, k: int,
+                    topk: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(scores [T, E] fp32 summing to 1 per token, their top-k ids [T, k]): what the balance losses measure.
+    ``topk``: those ids when the caller has them (a choice by the same scores, unconstrained)."""
     if score_function != "softmax":
         scores = scores / (scores.sum(dim=-1, keepdim=True) + 1e-20)
-    return scores, torch.topk(scores, k=k, dim=-1).indices
+    return scores, topk if topk is not None else torch.topk(scores, k=k, dim=-1).indices
 
 
 def sinkhorn(cost: torch.Tensor, tol: float = 1e-4) -> torch.Tensor:
