@@ -21,6 +21,10 @@ def test_tiny_benchmark_prints_every_implementation(capsys):
     assert all(r["time"] > 0 for r in rows) and all(r["faults"] >= 0 for r in rows)
     assert "page faults / step" in out
     assert "floor ratio" in out and "vs megatron" in out
+    for name in ("ours dropless, deepseek-v3 router", "megatron-core MoELayer, deepseek-v3 router",
+                 "part: our gate, softmax router", "part: our gate, deepseek-v3 router"):
+        assert name in impls and name in out       # (the megatron-core peer was checked to compute ours)
+    assert "deepseek-v3 router / softmax top-k" in out and "vs megatron with the deepseek-v3 router" in out
     c = bench.CONFIGS["tiny"]
     C = math.ceil(1.0 * c["T"] * c["k"] / c["E"])
     gshard = next(r for r in rows if r["impl"] == "gshard einsum CF=1")

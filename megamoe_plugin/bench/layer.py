@@ -481,10 +481,14 @@ def main(argv: Optional[List[str]] = None) -> List[dict]:
         if routing not in ("balanced", "skewed"):
             p.error(f"--routing: {routing!r} is not balanced or skewed")
     progress = Progress("bench layer", len(configs) * len(routings) * (args.repeat + 1))
-    for name in configs:
-        for routing in routings:
-            rows += run_config(name, routing, args.repeat, args.skip_gshard, args.skip_megatron, progress=progress,
-                               routers=routers)
+    try:
+        for name in configs:
+            for routing in routings:
+                rows += run_config(name, routing, args.repeat, args.skip_gshard, args.skip_megatron,
+                                   progress=progress, routers=routers)
+    finally:
+        if flushed:
+            torch.set_flush_denormal(False)          # torch's default, for whatever runs next in this process
     table = format_table(rows)
     summary = "\n".join(targets(rows))
     header = (f"CPU fp32, {args.threads} thread(s), median of {args.repeat} interleaved forward+backward rounds, one "

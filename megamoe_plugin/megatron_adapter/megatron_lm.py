@@ -21,6 +21,9 @@
    increments it after the step, so this is the value ``training_log`` reports); every ``--log-interval``
    iterations the per-layer MoE metrics are reduced over all ranks (a collective: every rank calls it), written
    to Megatron's tensorboard / wandb writers and summarised in one line on rank 0.
+5. ``megatron.training.training.load_checkpoint``: a distributed-optimizer checkpoint whose flat per-rank buffers
+   were written by the other kind of MoE layer (native vs plugin) is refused with what to do instead
+   (``_wrap_load_checkpoint``; weights interchange in every format).
 
 The layer spec is substituted by ``spec.moe_plugin_gpt_builder`` around ``gpt_builders.gpt_builder``: the
 ``pretrain_gpt.py`` patch passes the wrapped builder to ``model_provider``; the launcher
@@ -237,6 +240,53 @@ def _wrap_setup(setup: Callable) -> Callable:
 
     wrapped._megamoe_wrapped = True
     return wrapped
+
+
+def _wrap_load_checkpoint(load: Callable) -> Callable:
+    """Megatron-LM's ``load_checkpoint``, refusing the one load that would go wrong without a word: a distributed-
+    optimizer checkpoint in a per-rank flat-buffer format (``dp_reshardable``, ``dp_zero_gather_scatter``) written
+    by a run whose MoE layers are of the other kind (native megatron-core vs ``--moe-plugin``). Those buffers hold
+    the optimizer state in the writing run's parameter order, which the other layers do not share, so it would load
+    into the wrong parameters. Model weights interchange in every format (the plugin saves megatron-core's keys)."""
+    if getattr(load, "_megamoe_wrapped", False):
+        return load
+
+    @functools.wraps(load)
+    def wrapped(*a, **kw):
+        _check_optimizer_interchange(kw.get("load_arg", "load"))
+        return load(*a, **kw)
+
+    wrapped._megamoe_wrapped = True
+    return wrapped
+
+
+def _check_optimizer_interchange(load_arg: str) -> None:
+    from megatron.training.global_vars import get_args
+    args = get_args()
+    load_dir = getattr(args, load_arg, None)
+    if (not load_dir or not getattr(args, "use_distributed_optimizer", False) or getattr(args, "no_load_optim", False)
+            or getattr(args, "finetune", False) or not getattr(args, "num_experts", None)):
+        return
+    try:
+        from megatron.core import dist_checkpointing
+        from megatron.training import checkpointing as ck
+        iteration, release = ck.read_metadata(ck.get_checkpoint_tracker_filename(load_dir))
+        ckpt_dir = ck.get_checkpoint_name(load_dir, iteration, release, return_base_dir=True)
+        saved_args = dist_checkpointing.load_common_state_dict(ckpt_dir).get("args")
+        kind = (dist_checkpointing.load_content_metadata(ckpt_dir) or {}).get("distrib_optim_sharding_type")
+    except Exception:          # not a distributed checkpoint, or nothing there yet: Megatron-LM reports it
+        return
+    if saved_args is None or kind in ("fully_reshardable", "fully_sharded_model_space", "fsdp_dtensor"):
+        return
+    written, running = bool(getattr(saved_args, "moe_plugin", False)), bool(getattr(args, "moe_plugin", False))
+    if written != running:
+        label = {True: "a --moe-plugin run", False: "a native megatron-core run"}
+        raise RuntimeError(
+            f"megamoe-plugin: {load_dir} was written by {label[written]} and this is {label[running]}: its "
+            f"distributed-optimizer state ({kind or 'dp_zero_gather_scatter'}) is stored as flat per-rank buffers in "
+            "the writing run's parameter order, which these MoE layers do not share, so it would load into the wrong "
+            "parameters. Load the weights with --no-load-optim, or save the checkpoint with "
+            "--dist-ckpt-optim-fully-reshardable (then weights and optimizer state both interchange)")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -470,6 +520,9 @@ def install_megatron_lm_hooks() -> List[str]:
     training.finalize_model_grads = _wrap_finalize(training.finalize_model_grads)
     training.setup_model_and_optimizer = _wrap_setup(training.setup_model_and_optimizer)
     _APPLIED.append("finalize_model_grads + setup_model_and_optimizer (--moe-plugin-gate-sync)")
+    if hasattr(training, "load_checkpoint"):
+        training.load_checkpoint = _wrap_load_checkpoint(training.load_checkpoint)
+        _APPLIED.append("load_checkpoint: refuses optimizer state in another layer kind's flat-buffer format")
     _INSTALLED = True
     return list(_APPLIED)
 
