@@ -69,7 +69,7 @@ def _gate_vs_others(d):
     a, b = _records(d, 0), _records(d, 1)
     out = []
     for ra, rb in zip(a, b):
-        gate = [n for n in ra["param_norms"] if "gate" in n and "weight" in n and "experts" not in n]
+        gate = [n for n in ra["param_norms"] if "gate" in n and ("weight" in n or "bias" in n) and "experts" not in n]
         other = [n for n in ra["param_norms"] if n not in gate and "expert" not in n]
         assert gate and other
         out.append((all(ra["param_norms"][n] == rb["param_norms"][n] for n in gate),

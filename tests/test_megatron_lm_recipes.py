@@ -1,5 +1,6 @@
-"""Today's MoE recipes through Megatron-LM's own ``pretrain_gpt.py`` with ``--moe-plugin`` (the launcher, EP=2 on two
-gloo processes, scaled down), and checkpoints that pass between a native megatron-core run and a plugin run.
+"""Today's MoE recipes through Megatron-LM's own ``pretrain_gpt.py`` with ``--moe-plugin`` (the patched script and the
+launcher, EP=2 on two gloo processes, scaled down), and checkpoints that pass between a native megatron-core run and a
+plugin run.
 
 - every recipe of RECIPES trains with the plugin, its router flags unchanged (the start-up line names the router);
 - interchange: a native run saves at iteration 2; from it, a native run and a plugin run print the same lm loss for
@@ -19,7 +20,8 @@ import sys
 
 import pytest
 
-from test_megatron_lm import CPU_ARGS, LM_LOSS, TIMEOUT, _copy_checkout, _megatron_version, _tail, checkout  # noqa: F401
+from test_megatron_lm import (CPU_ARGS, LM_LOSS, TIMEOUT, _apply_patch, _copy_checkout, _megatron_version, _tail,  # noqa: F401
+                              checkout)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODEL = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
@@ -59,15 +61,16 @@ RECIPES = {
 ROUTER_LINE = re.compile(r"megamoe-plugin: note: MoE layers: the plugin's router \[([^\]]*)\]")
 
 
-def _run(root, tmp_path, args, nproc=2, check=True):
-    """pretrain_gpt.py through the launcher: ({iteration: lm loss}, output); with check=False the exit status is
-    returned as the output's first line instead of asserted."""
+def _run(root, tmp_path, args, nproc=2, check=True, patched=False):
+    """pretrain_gpt.py through the launcher (or, ``patched``, the patched script itself): ({iteration: lm loss},
+    output); with check=False the exit status is returned as the output's first line instead of asserted."""
     import subprocess
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1",
                PYTHONPATH=os.pathsep.join([root, REPO] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
     env.pop("MEGATRON_LM_DIR", None)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc), "-m",
-           "megamoe_plugin.megatron_adapter.launch", os.path.join(root, "pretrain_gpt.py")] + CPU_ARGS + MODEL + args
+    entry = [] if patched else ["-m", "megamoe_plugin.megatron_adapter.launch"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc), *entry,
+           os.path.join(root, "pretrain_gpt.py")] + CPU_ARGS + MODEL + args
     p = subprocess.run(cmd, env=env, cwd=str(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                        timeout=TIMEOUT)
     if not check:
@@ -98,13 +101,15 @@ ROUTER_WORDS = {
 
 @pytest.mark.slow
 def test_recipes_train_with_the_plugin(checkout, tmp_path):  # noqa: F811
-    """Every recipe of RECIPES, 3 iterations at EP=2 with --moe-plugin: a finite lm loss every iteration, and the
-    router the start-up line describes is the recipe's."""
+    """Every recipe of RECIPES, 3 iterations at EP=2 with --moe-plugin, every other one through the patched
+    pretrain_gpt.py and the others through the launcher: a finite lm loss every iteration, and the router the
+    start-up line describes is the recipe's."""
     _needs_019(checkout)
     root = _copy_checkout(checkout, tmp_path / "Megatron-LM")
-    for name, flags in RECIPES.items():
+    _apply_patch(root)
+    for i, (name, flags) in enumerate(RECIPES.items()):
         losses, out = _run(root, tmp_path, flags + ["--expert-model-parallel-size", "2", "--train-iters", "3",
-                                                    "--moe-plugin"])
+                                                    "--moe-plugin"], patched=i % 2 == 1)
         assert sorted(losses) == [1, 2, 3] and all(0 < v < 10 for v in losses.values()), (name, _tail(out))
         router = ROUTER_LINE.search(out)
         assert router and all(w in router.group(1) for w in ROUTER_WORDS[name]), (name, _tail(out))

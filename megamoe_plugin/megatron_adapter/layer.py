@@ -30,6 +30,7 @@ gradient over TP like a layernorm's.
 """
 from __future__ import annotations
 
+import functools
 import math
 from typing import Optional
 
@@ -287,19 +288,26 @@ AUX_LOSS_NAMES = {"balance": ("load_balancing_loss", "aux_loss"),
                   "z": ("z_loss", None)}
 
 
-def _record_metric(name: str, value: torch.Tensor, layer_number: int, num_layers: int, reduce_group=None,
-                   avg_group=None, needs_dp_avg: bool = True) -> None:
-    """Megatron's MoE metrics tracker (``get_moe_metrics_tracker``; ``save_to_aux_losses_tracker`` on releases
-    that have no tracker object)."""
+@functools.lru_cache(maxsize=None)
+def _metrics_recorder():
+    """Megatron's MoE metrics tracker's ``record`` (``save_to_aux_losses_tracker`` on releases without a tracker
+    object), looked up once."""
     try:
         from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
     except ImportError:
         from megatron.core.transformer.moe.moe_utils import save_to_aux_losses_tracker
-        save_to_aux_losses_tracker(name, value, layer_number, num_layers, reduce_group=reduce_group,
-                                   avg_group=avg_group, reduce_group_has_dp=not needs_dp_avg)
-        return
-    get_moe_metrics_tracker().record(name, value, layer_number, num_layers, reduce_group=reduce_group,
-                                     avg_group=avg_group, needs_dp_avg=needs_dp_avg)
+
+        def record(name, value, layer_number, num_layers, reduce_group=None, avg_group=None, needs_dp_avg=True):
+            save_to_aux_losses_tracker(name, value, layer_number, num_layers, reduce_group=reduce_group,
+                                       avg_group=avg_group, reduce_group_has_dp=not needs_dp_avg)
+        return record
+    return lambda *a, **kw: get_moe_metrics_tracker().record(*a, **kw)
+
+
+def _record_metric(name: str, value: torch.Tensor, layer_number: int, num_layers: int, reduce_group=None,
+                   avg_group=None, needs_dp_avg: bool = True) -> None:
+    _metrics_recorder()(name, value, layer_number, num_layers, reduce_group=reduce_group, avg_group=avg_group,
+                        needs_dp_avg=needs_dp_avg)
 
 
 class PluginMoELayer(MegatronMoELayer):
@@ -370,7 +378,7 @@ class PluginMoELayer(MegatronMoELayer):
             total = total * routing.valid_tokens * tp_cp
         output = MoEAuxLossAutoScaler.apply(output, total)
         num_layers = config.num_layers + (mtp_layers or 0)
-        layer = self.layer_number + config.num_layers if router.is_mtp_layer else self.layer_number
+        layer = self.layer_id
         for name, value in routing.aux_losses.items():
             tracker_name, kind = AUX_LOSS_NAMES.get(name, (f"moe_plugin_{name}_loss", "aux_loss"))
             coeff = cfg.z_loss_coeff / tp_cp if kind is None else cfg.balance_coeff(kind)
