@@ -134,3 +134,21 @@ def test_expert_bias_stays_fp32_through_a_cast_and_a_checkpoint():
     g.load_state_dict(saved)
     assert g.expert_bias.dtype == torch.float32 and torch.equal(g.expert_bias, saved["expert_bias"])
     assert g.state_dict()["expert_bias"].dtype == torch.float32
+
+
+@pytest.mark.parametrize("gate,extra", [("switch", dict(top_k=1)), ("gshard", dict(second_expert_policy="all")),
+                                        ("hir", dict(world_size=2, topology="[[0],[1]]")),
+                                        ("ta_moe", dict(world_size=2, topology="[[0],[1]]",
+                                                        topology_bandwidth_gbps="100,10"))])
+def test_every_gate_composes_with_the_router_family(gate, extra):
+    """sigmoid scores, the expert bias and the per-sequence loss under each of the plugin's gates: the gate's own
+    loss stays its aux_loss, the per-sequence loss is megatron-core's, the bias counts every kept assignment."""
+    cfg = MoEConfig(num_experts=4, gate=gate, score_function="sigmoid", router_expert_bias=True,
+                    load_balancing_type="aux_loss:0.01,seq_aux_loss:0.001", **{"top_k": 2, **extra})
+    torch.manual_seed(0)
+    layer = MoELayer(cfg, H, 32).train()
+    y = layer(torch.randn(3, 8, H))
+    (y.sum() + layer.aux_loss).backward()
+    assert set(layer.aux_losses) == {"balance", "seq_balance"}
+    assert layer.gate.weight.grad.abs().sum() > 0
+    assert layer.gate.local_tokens_per_expert.sum().item() == int(layer.last_routing.kept.sum())
