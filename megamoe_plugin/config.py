@@ -27,7 +27,8 @@ def _opt(default: Any, help: str, choices: Optional[tuple] = None):
     return field(default=default, metadata=meta)
 
 
-GATE_NAMES = ("topk", "naive", "switch", "gshard", "hir", "ta_moe")  # built-ins; gates.register_gate adds more
+# built-ins; gates.register_gate adds more
+GATE_NAMES = ("topk", "naive", "switch", "gshard", "hir", "ta_moe", "node_limited", "node_limited_sender")
 DISPATCH_NAMES = ("dropless", "capacity")
 ACTIVATIONS = ("gelu", "relu", "swiglu", "squared_relu", "quick_geglu")
 GATED_ACTIVATIONS = ("swiglu", "quick_geglu")       # fc1 has 2F outputs [gate | linear]
@@ -55,7 +56,9 @@ class MoEConfig:
     top_k: int = _opt(2, "Experts chosen per token (switch forces 1, gshard forces 2).")
     gate: str = _opt("topk", "Gate: topk (megatron-core's TopKRouter: every score function, group-limited routing, "
                              "expert bias, sinkhorn and quantile balancing) | naive (FastMoE's name for topk) | switch "
-                             "| gshard | hir | ta_moe, or a name added with @register_gate.")
+                             "| gshard | hir | ta_moe (TA-MoE's loss, or its target steered by a per-sender bias with "
+                             "the expert bias) | node_limited / node_limited_sender (at most group-topk nodes per "
+                             "token, the nodes from the topology), or a name added with @register_gate.")
     score_function: str = _opt("softmax", "Router score function: softmax, sigmoid (DeepSeek-V3, Llama-4) or "
                                           "sqrtsoftplus (sqrt(softplus(logit)), Nemotron).", SCORE_FUNCTIONS)
     normalize_top_k: bool = _opt(True, "Weights of the chosen experts sum to 1 (k > 1). softmax: on = softmax over the "
@@ -68,7 +71,8 @@ class MoEConfig:
     num_groups: int = _opt(0, "Group-limited routing (DeepSeek-V2/V3): the experts form this many equal groups "
                               "(e.g. the nodes or ranks of the expert-parallel layout); 0 = off.")
     group_topk: int = _opt(0, "Group-limited routing: each token chooses among the experts of this many groups, "
-                              "those with the highest sum of their top (k / group-topk) scores.")
+                              "those with the highest sum of their top (k / group-topk) scores; with the "
+                              "node_limited gates: the most nodes a token may use.")
     router_expert_bias: bool = _opt(False, "Aux-loss-free balancing (DeepSeek-V3): a per-expert bias, an fp32 buffer, "
                                            "is added to the scores for choosing the experts only (the weights stay "
                                            "the scores) and moved by the sign of each expert's load error once per "
@@ -485,12 +489,18 @@ class MoEConfig:
     @property
     def gate_sync_mode(self):
         """(mode, K) of --moe-gate-sync for this gate: ('all'|'local'|'average', K); auto resolved."""
-        return parse_gate_sync(self.gate_sync, self.gate)
+        return parse_gate_sync(self.gate_sync, self.gate, self)
 
     @property
     def local_gates(self) -> bool:
         """Whether each rank's gate learns from its own gradient (local, average:K, or auto with ta_moe)."""
         return self.gate_sync_mode[0] != "all"
+
+    @property
+    def per_rank_gate_state(self) -> bool:
+        """Whether checkpoints keep every rank's own gate state: local gates, or a gate with per-rank buffers
+        (ta_moe steered by bias: each sender's bias)."""
+        return self.local_gates or (self.gate == "ta_moe" and self.router_expert_bias)
 
     @property
     def balance_losses(self):
@@ -543,14 +553,14 @@ class MoEConfig:
         return cls(**d)
 
 
-def parse_gate_sync(text: str, gate: str = ""):
+def parse_gate_sync(text: str, gate: str = "", cfg=None):
     """--moe-gate-sync: 'all' -> ('all', 0), 'local' -> ('local', 0), 'average:K' -> ('average', K); 'auto' is
-    the gate's own default (``default_gate_sync``: local for ta_moe, whose per-rank targets cancel under averaged
-    gradients, all for the others)."""
+    the gate's own default (``gate_sync_default(cfg)``: local for ta_moe steered by its loss, whose per-rank
+    targets cancel under averaged gradients, all for the others)."""
     t = str(text).strip().lower()
     if t == "auto":
         cls = gate_class(gate)
-        return (getattr(cls, "default_gate_sync", "all"), 0)
+        return (cls.gate_sync_default(cfg) if cls is not None else "all"), 0
     if t in ("all", "local"):
         return t, 0
     if t.startswith("average:"):

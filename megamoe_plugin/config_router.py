@@ -105,6 +105,9 @@ def _validate_groups(cfg, bad) -> None:
         bad("num_groups" if cfg.num_groups < 0 else "group_topk", "must be >= 0 (0 = no group-limited routing)")
     if not cfg.num_groups and not cfg.group_topk:
         return
+    from .gate_registry import gate_class
+    if getattr(gate_class(cfg.gate), "derives_groups", False):
+        return                         # the gate's groups are the topology's nodes (its validate_config)
     if not cfg.group_topk or not cfg.num_groups:
         missing = "group_topk" if not cfg.group_topk else "num_groups"
         bad(missing, "group-limited routing needs both --moe-num-groups and --moe-group-topk")

@@ -13,6 +13,8 @@ broadcast once at the start, and meant to average the gate *parameters* every K 
   rank clips by the same coefficient and the replicated parameters stay identical. Checkpoints keep every rank's
   gate (``gather_rank_states`` / ``rank_state_for``); resumed at another world size, every rank starts from the
   mean of the saved gates (what ``average`` would give) and re-specialises from there;
+  the same per-rank state carries the gates' per-rank buffers (``per_rank_buffers``: TA-MoE's sender bias), which
+  start from their initial value at another world size;
 - ``average:K``: ``local`` plus an average of the gate parameters over ranks every K optimizer steps
   (``GateSync.after_step``); right after step K the gates are equal on every rank.
 
@@ -75,6 +77,7 @@ class GateSync:
 
     def __init__(self, cfg, group=None):
         self.mode, self.every = cfg.gate_sync_mode
+        self.per_rank_state = cfg.per_rank_gate_state      # checkpoints keep every rank's gate state
         self.group = group
         self.averaged = 0
 
@@ -104,6 +107,26 @@ def rank_state(model, optimizer=None, names: Optional[Dict[int, str]] = None) ->
         out[name] = p.detach().cpu().clone()
         for i, t in enumerate(param_state_tensors(optimizer, p)):
             out[f"{name}/{i}"] = t.detach().cpu().clone()
+    for name, t in rank_buffers(model).items():
+        out[_BUFFER + name] = t.detach().cpu().clone()
+    return out
+
+
+_BUFFER = "rank_buffer/"          # key prefix of a gate's per-rank buffers in a rank_state
+
+
+def rank_buffers(model) -> Dict[str, torch.Tensor]:
+    """The per-rank buffers of the model's gates (a gate's ``per_rank_buffers``: e.g. TA-MoE's sender bias), by
+    qualified name."""
+    chunks = model if isinstance(model, (list, tuple)) else [model]
+    out = {}
+    for i, c in enumerate(chunks):
+        prefix = f"{i}." if len(chunks) > 1 else ""
+        for mname, m in c.named_modules():
+            for b in getattr(m, "per_rank_buffers", ()):
+                t = getattr(m, b, None)
+                if isinstance(t, torch.Tensor):
+                    out[f"{prefix}{mname}.{b}"] = t
     return out
 
 
@@ -122,7 +145,8 @@ def rank_state_for(states: List[Dict[str, torch.Tensor]], rank: int, world: int)
     every saved rank's (the gates re-specialise from their average; module docstring)."""
     if len(states) == world:
         return states[rank]
-    keys = states[0].keys()
+    # per-rank buffers describe the saved layout (a sender's row of the topology): they start afresh
+    keys = [k for k in states[0] if not k.startswith(_BUFFER)]
     return {k: torch.stack([s[k].to(torch.float64) for s in states]).mean(0).to(states[0][k].dtype) for k in keys}
 
 
@@ -140,6 +164,9 @@ def load_rank_state(model, state: Dict[str, torch.Tensor], optimizer=None) -> No
         for i, t in enumerate(param_state_tensors(optimizer, p)):
             if f"{name}/{i}" in state:
                 t.copy_(state[f"{name}/{i}"].to(t.dtype))
+    for name, t in rank_buffers(model).items():
+        if _BUFFER + name in state:
+            t.copy_(state[_BUFFER + name].to(t.dtype))
 
 
 def _names(model) -> Dict[int, str]:

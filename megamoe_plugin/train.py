@@ -478,7 +478,7 @@ def save_checkpoint(path: str, model, optimizer, cfg: MoEConfig, step: int, args
              "ep_rank": ps.ep_rank}
     if dyn_states is not None:
         state["dynamic"] = dyn_states
-    if cfg.local_gates:             # every rank's own gate (and its Adam state), in every file
+    if cfg.per_rank_gate_state:     # every rank's own gate (and its Adam state) and per-rank buffers, in every file
         state["gates"] = gather_rank_states(model, optimizer, dist.group.WORLD if ps.distributed else None)
     return checkpoints.save(path, state, ps.rank, ps.world_size, ps.ep_size)
 
@@ -600,7 +600,7 @@ def _resume(ckpt, model, optimizer, cfg: MoEConfig, ps: ParallelState, log) -> d
     rngs = state.get("rng_states") or []
     if len(rngs) == ps.world_size:
         torch.set_rng_state(rngs[ps.rank])
-    if state.get("gates") and cfg.local_gates:   # this rank's gate, or the saved gates' mean
+    if state.get("gates") and cfg.per_rank_gate_state:   # this rank's gate, or the saved gates' mean
         load_rank_state(model, rank_state_for(state["gates"], ps.rank, ps.world_size), optimizer)
     return state
 

@@ -38,7 +38,16 @@ from ..cluster import cpu_caps, netns
 from ..cluster.launcher import run_job
 
 TOPOLOGIES = {"2x2": (2, 2), "3asym": (3, [2, 1, 1])}
-CONFIGS = ("gshard", "ta_moe:all", "ta_moe:local", "ta_moe:average:50", "hir")
+# the aux-loss-free family (Megatron's flags for DeepSeek-V3's balancing): sigmoid scores, the expert bias, no loss
+_ALF = "+score-function=sigmoid+router-expert-bias=true+load-balancing-type=none"
+PRESETS = {
+    "alf": "topk" + _ALF,                                           # the aux-loss-free baseline
+    "ta_moe_loss": "ta_moe:local",                                  # TA-MoE's loss (released: local gates)
+    "ta_moe_bias": "ta_moe" + _ALF,                                 # TA-MoE's target by per-sender bias
+    "node_limited": "node_limited+group-topk=1" + _ALF,             # DeepSeek's rule, M = 1 node
+    "node_limited_sender": "node_limited_sender+group-topk=1" + _ALF,   # sender's node always, M = 1
+}
+CONFIGS = ("gshard", "alf", "ta_moe_loss", "hir", "node_limited", "node_limited_sender", "ta_moe_bias")
 def shaping_label(results: dict, nodes: str = "2 nodes x 2") -> str:
     """How a row measured by this bench was obtained (the reproduce tables' source column)."""
     sh = results["shaping"]
@@ -54,15 +63,23 @@ MODEL = ["--hidden", "256", "--layers", "4", "--heads", "4", "--ffn-hidden", "51
 
 
 def config_flags(config: str) -> List[str]:
-    """``gate[:sync][+option=value...]`` as megamoe train flags (the options are --moe-<option>)."""
+    """``gate[:sync][+option=value...]`` (or a name of ``PRESETS``, options may follow it) as megamoe train flags:
+    the options are --moe-<option> VALUE, and --moe-<option> / --no-moe-<option> for true / false; sync auto when
+    not given (the gate's own default)."""
+    head, plus, rest = config.partition("+")
+    if head in PRESETS:
+        config = PRESETS[head] + plus + rest
     base, *options = config.split("+")
     gate, _, sync = base.partition(":")
-    flags = ["--moe-gate", gate, "--moe-gate-sync", sync or "all"]
+    flags = ["--moe-gate", gate, "--moe-gate-sync", sync or "auto"]
     for opt in options:
         name, eq, value = opt.partition("=")
         if not eq or not name:
             raise SystemExit(f"megamoe bench gates: --configs {config!r}: {opt!r} is not option=value")
-        flags += [f"--moe-{name}", value]
+        if value.lower() in ("true", "false"):
+            flags.append(f"--moe-{name}" if value.lower() == "true" else f"--no-moe-{name}")
+        else:
+            flags += [f"--moe-{name}", value]
     return flags
 
 
@@ -87,6 +104,15 @@ def off_node_share(counts: torch.Tensor, groups: List[List[int]], last_fraction:
     remote = torch.tensor([[node[p] != node[e // per] for e in range(E)] for p in range(P)], dtype=torch.float64)
     c = counts[int(S * (1 - last_fraction)):].to(torch.float64)
     return float((c * remote).sum() / c.sum().clamp_min(1))
+
+
+def load_imbalance(counts: torch.Tensor, last_fraction: float = 0.25) -> float:
+    """Expert-load balance: the busiest expert's assignments over the mean, per step and layer (all senders
+    together), averaged over the trace's last ``last_fraction`` of steps (1.0 = perfectly balanced)."""
+    S = counts.shape[0]
+    per_expert = counts[int(S * (1 - last_fraction)):].to(torch.float64).sum(dim=2)          # [S', L, E]
+    ratio = per_expert.amax(-1) / per_expert.mean(-1).clamp_min(1e-9)
+    return float(ratio.mean())
 
 
 def target_share(groups: List[List[int]], bandwidth_gbps: List[float], smoothing: float = 0.1) -> float:
@@ -140,7 +166,7 @@ def run_config(topology: str, config: str, steps: int, inter: float, intra: floa
     tokens = world * int(_flag_value(flags, "--batch-size")) * int(_flag_value(flags, "--seq-len"))
     step_times = [tokens / h["tokens_per_s"] for h in m["history"][1:]]
     sent = sum(v["sent"] for v in net["nodes"].values())
-    return {"topology": topology, "config": config, "off_node_share": share,
+    return {"topology": topology, "config": config, "off_node_share": share, "load_imbalance": load_imbalance(counts),
             "moe_inter_bytes_per_step": share * assignments_per_step * hidden * 4 * 4,
             "link_bytes_per_step": sent / m["step"], "step_seconds": statistics.median(step_times),
             "final_valid_loss": m["evals"][-1]["loss"], "evals": m["evals"], "wall_seconds": time.time() - t0,
@@ -212,6 +238,9 @@ def main(argv: Optional[List[str]] = None) -> dict:
                    "--cpu-share): auto (fixed-speed ranks, the default), off, one value or one per rank")
     p.add_argument("--train-args", default="", help="megamoe train flags added to every run's model and data "
                    "(e.g. \"--batch-size 16 --moe-every 2 --seed 1\")")
+    p.add_argument("--seeds", default="", help="comma list of seeds: every config runs once per seed (--seed S), "
+                   "the configs of one seed interleaved, seeds one after another; the summary gives medians over "
+                   "seeds (empty: the model's seed, --train-rounds rounds)")
     p.add_argument("--out", default="results/bench_gates", help="runs, traces, logs and results.json")
     p.add_argument("--table1-worker", default=None, help=argparse.SUPPRESS)
     p.add_argument("--rounds", type=int, default=3, help=argparse.SUPPRESS)
@@ -260,7 +289,22 @@ def main(argv: Optional[List[str]] = None) -> dict:
     for c in configs:
         config_flags(c)                                              # a malformed option fails before any run
     results["train_args"] = train_args
+    seeds = [int(v) for v in args.seeds.split(",") if v.strip()]
     for topology in filter(None, args.topologies.split(",")):
+        for seed in seeds:
+            for i, config in enumerate(configs):
+                t0 = time.time()
+                print(f"[bench gates] {topology} seed {seed} {config} ({i + 1}/{len(configs)}) ...", flush=True)
+                run = run_config(topology, config, args.steps, inter, intra,
+                                 os.path.join(args.out, topology, f"seed{seed}", config.replace(":", "_")),
+                                 29810 + 2 * i, args.cpu_share, [*train_args, "--seed", str(seed)])
+                run["seed"] = seed
+                results["runs"].append(run)
+                print(f"[bench gates] {topology} seed {seed} {config}: off-node share {run['off_node_share']:.3f}, "
+                      f"step {run['step_seconds'] * 1e3:.0f} ms, balance {run['load_imbalance']:.2f}, valid loss "
+                      f"{run['final_valid_loss']:.4f} ({time.time() - t0:.0f}s)", flush=True)
+        if seeds:
+            continue
         rounds: Dict[str, List[dict]] = {c: [] for c in configs}
         for k in range(args.train_rounds):
             for i, config in enumerate(configs):
@@ -297,10 +341,10 @@ def predicted_step(base: dict, run: dict, nodes: int, inter_bandwidth: float) ->
 
 
 def _finish(results: dict, args) -> None:
-    by_topo: Dict[str, List[dict]] = {}
+    by_topo: Dict[tuple, List[dict]] = {}
     for r in results["runs"]:
-        by_topo.setdefault(r["topology"], []).append(r)
-    for topology, runs in by_topo.items():
+        by_topo.setdefault((r["topology"], r.get("seed")), []).append(r)
+    for (topology, _), runs in by_topo.items():
         target = max(min(e["loss"] for e in r["evals"]) for r in runs)
         groups = [[0, 1], [2, 3]] if topology == "2x2" else [[0, 1], [2], [3]]
         bw = [results["shaping"]["intra"] / 1e9, results["shaping"]["inter"] / 1e9]
@@ -308,26 +352,74 @@ def _finish(results: dict, args) -> None:
         for r in runs:
             r["target_loss"] = target
             r["time_to_target"] = time_to(r["evals"], target)
+        alf = next((r for r in runs if r["config"] == "alf"), None)
+        for r in runs:
+            if alf is not None and alf.get("time_to_target") and r.get("time_to_target"):
+                r["speedup_vs_alf"] = alf["time_to_target"] / r["time_to_target"]
+                r["step_ratio_vs_alf"] = alf["step_seconds"] / r["step_seconds"]
+                r["loss_vs_alf"] = r["final_valid_loss"] / alf["final_valid_loss"] - 1.0
             if r["config"].startswith("ta_moe"):
                 r["target_off_node_share"] = target_share(groups, bw)
             if base is not None:
                 r["predicted_step_seconds"] = predicted_step(base, r, len(groups), results["shaping"]["inter"])
+    if any("seed" in r for r in results["runs"]):
+        results["summary"] = seed_summary(results["runs"])
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "results.json"), "w") as f:
         json.dump(results, f, indent=1)
     print(format_results(results), flush=True)
+    if results.get("summary"):
+        print(format_summary(results["summary"]), flush=True)
+
+
+def seed_summary(runs: List[dict]) -> List[dict]:
+    """Per topology and config, over the seeds: the median time-to-target speed-up over the aux-loss-free
+    baseline of the same seed, the median step-time ratio (throughput) and the median final-loss difference at
+    equal steps (quality per step), with every seed's values."""
+    rows: Dict[tuple, List[dict]] = {}
+    for r in runs:
+        rows.setdefault((r["topology"], r["config"]), []).append(r)
+    out = []
+    for (topology, config), rs in rows.items():
+        def med(key):
+            vals = [r[key] for r in rs if r.get(key) is not None]
+            return statistics.median(vals) if vals else None
+        out.append({"topology": topology, "config": config, "seeds": [r["seed"] for r in rs],
+                    "speedup_vs_alf": med("speedup_vs_alf"), "speedup_vs_alf_seeds": [r.get("speedup_vs_alf") for r in rs],
+                    "step_ratio_vs_alf": med("step_ratio_vs_alf"), "loss_vs_alf": med("loss_vs_alf"),
+                    "loss_vs_alf_seeds": [r.get("loss_vs_alf") for r in rs],
+                    "off_node_share": med("off_node_share"), "load_imbalance": med("load_imbalance"),
+                    "step_ms": 1e3 * med("step_seconds")})
+    return out
+
+
+def format_summary(summary: List[dict]) -> str:
+    def f(v, fmt):
+        return format(v, fmt) if v is not None else "-"
+    lines = [f"{'topology':<7} {'config':<20} {'off-node':>8} {'balance':>7} {'step ms':>8} {'throughput vs alf':>17} "
+             f"{'loss vs alf':>11} {'time to target vs alf (median; seeds)':>40}"]
+    for r in summary:
+        seeds = " / ".join(f(v, ".2f") for v in r["speedup_vs_alf_seeds"])
+        lines.append(f"{r['topology']:<7} {r['config']:<20} {f(r['off_node_share'], '.3f'):>8} "
+                     f"{f(r['load_imbalance'], '.2f'):>7} {f(r['step_ms'], '.0f'):>8} "
+                     f"{f(r['step_ratio_vs_alf'], '.3f'):>17} {f(r['loss_vs_alf'], '+.2%'):>11} "
+                     f"{f(r['speedup_vs_alf'], '.2f'):>6} ({seeds})")
+    return "\n".join(lines)
 
 
 def format_results(results: dict) -> str:
-    lines = [f"{'topology':<7} {'config':<18} {'off-node':>8} {'target':>7} {'MoE inter MB/step':>17} "
-             f"{'link MB/step':>12} {'step ms':>8} {'predicted':>9} {'valid loss':>10} {'time to target':>14}"]
+    lines = [f"{'topology':<7} {'config':<20} {'off-node':>8} {'target':>7} {'balance':>7} {'MoE inter MB/step':>17} "
+             f"{'link MB/step':>12} {'step ms':>8} {'predicted':>9} {'valid loss':>10} {'time to target':>14} "
+             f"{'vs alf':>6}"]
     for r in results["runs"]:
         tgt = f"{r['target_off_node_share']:.3f}" if "target_off_node_share" in r else "-"
         ttt = f"{r['time_to_target']:.1f}s" if r.get("time_to_target") is not None else "not reached"
         pred = f"{r['predicted_step_seconds'] * 1e3:.0f}" if r.get("predicted_step_seconds") else "-"
-        lines.append(f"{r['topology']:<7} {r['config']:<18} {r['off_node_share']:>8.3f} {tgt:>7} "
+        vs = f"{r['speedup_vs_alf']:.2f}" if r.get("speedup_vs_alf") else "-"
+        bal = f"{r['load_imbalance']:.2f}" if r.get("load_imbalance") else "-"
+        lines.append(f"{r['topology']:<7} {r['config']:<20} {r['off_node_share']:>8.3f} {tgt:>7} {bal:>7} "
                      f"{r['moe_inter_bytes_per_step'] / 1e6:>17.2f} {r['link_bytes_per_step'] / 1e6:>12.2f} "
-                     f"{r['step_seconds'] * 1e3:>8.0f} {pred:>9} {r['final_valid_loss']:>10.4f} {ttt:>14}")
+                     f"{r['step_seconds'] * 1e3:>8.0f} {pred:>9} {r['final_valid_loss']:>10.4f} {ttt:>14} {vs:>6}")
     return "\n".join(lines)
 
 

@@ -283,7 +283,7 @@ def _wrap_trainer(Trainer) -> None:
             fresh = bool(ck.reset_dataloader) or (bool(ck.finetune_from_model) and filename == ck.finetune_from_model)
             dyn.load(extra[_DYNAMIC_KEY], reset_cache=fresh)
         sync = getattr(self, "_megamoe_gate_sync", None)
-        if sync is not None and sync.local and isinstance(extra, dict) and extra.get(_GATES_KEY):
+        if sync is not None and sync.per_rank_state and isinstance(extra, dict) and extra.get(_GATES_KEY):
             rank = dist.get_rank() if dist.is_initialized() else 0
             world = dist.get_world_size() if dist.is_initialized() else 1
             load_rank_state(_raw_model(self), rank_state_for(extra[_GATES_KEY], rank, world), self.optimizer)
@@ -313,7 +313,7 @@ def _wrap_save(checkpoint_utils) -> None:
         dyn = _dynamic(trainer)
         if dyn is not None and not cfg.no_save:
             trainer._megamoe_dynamic_full = dyn.gather_states()     # every rank's capacities and cache, on rank 0
-        if getattr(trainer, "_megamoe_gate_sync", None) is not None and trainer._megamoe_gate_sync.local \
+        if getattr(trainer, "_megamoe_gate_sync", None) is not None and trainer._megamoe_gate_sync.per_rank_state \
                 and not cfg.no_save:                                # every rank's own gate and its Adam state
             trainer._megamoe_gates = gather_rank_states(_raw_model(trainer), trainer.optimizer)
         try:

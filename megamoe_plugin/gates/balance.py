@@ -20,7 +20,10 @@ the gates' buffers by their megatron-core names; the plugin's other trainers cal
   ``batch_group``; the bias moves by +rate for experts below the mean, -rate above (sign of the error);
 - quantile balancing: the quantiles accumulated over the step's micro-batches, averaged over the data-parallel
   ranks, mixed with the previous bias by the EMA weight, centred;
-- the global aux loss's counts are reset.
+- the global aux loss's counts are reset;
+- the per-sender biases of the gates that steer dispatch toward a topology's target by bias (``end_sender_batches``,
+  TA-MoE by bias in gates/ta_moe.py): not megatron-core's, so the Megatron adapter calls it after
+  ``finalize_model_grads``.
 """
 from __future__ import annotations
 
@@ -108,5 +111,16 @@ def end_global_batch(gates: Iterable, batch_group=None, data_group=None) -> None
             ema = g.cfg.quantile_balancing_ema
             new = ema * g.qb_beta + (1.0 - ema) * avg
             g.qb_beta.copy_(new - new.mean(dim=-1, keepdim=True))
+    end_sender_batches(gates)
     for g in gates:
         g.reset_global_batch_state()
+
+
+@torch.no_grad()
+def end_sender_batches(gates: Iterable) -> None:
+    """The per-sender bias updates of the gates that steer dispatch by bias (TA-MoE by bias, gates/ta_moe.py);
+    megatron-core's ``finalize_model_grads`` does not know them, the Megatron adapter calls this after it."""
+    for g in gates:
+        update = getattr(g, "end_sender_batch", None)
+        if update is not None and g.training:
+            update()

@@ -154,6 +154,11 @@ class Gate(nn.Module):
     balance_on_choice = False               # the aux loss counts the gate's own choice (else the router's top-k)
 
     @classmethod
+    def gate_sync_default(cls, cfg: Optional[MoEConfig]) -> str:
+        """What --moe-gate-sync auto means for this gate with these options."""
+        return cls.default_gate_sync
+
+    @classmethod
     def validate_config(cls, cfg: MoEConfig) -> None:
         """Raise ``ConfigError`` (naming the flag) for options this gate cannot work with; no topology, no
         environment (``MoEConfig.validate`` calls it)."""
@@ -246,7 +251,8 @@ class Gate(nn.Module):
 
     def _balance_losses(self, logits, scores, ids, kept, batch) -> Dict[str, torch.Tensor]:
         # the losses measure the router's unconstrained top-k: the choice itself when nothing constrained it
-        plain = (type(self).select is Gate.select and self.routing_rule is None and not self.cfg.group_topk
+        plain = (type(self).select is Gate.select and type(self).topk is Gate.topk and self.routing_rule is None
+                 and not self.cfg.group_topk
                  and getattr(self, "expert_bias", None) is None)
         aux_scores, aux_ids = aux_loss_scores(logits, scores, self.cfg.score_function, self.top_k,
                                               ids if plain else None)

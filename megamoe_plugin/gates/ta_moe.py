@@ -37,6 +37,21 @@ moves linearly from uniform to c_hat (c_hat(r) = (1 - r) / E + r * c_hat, r = ca
 s * log(E * c_hat), so the router first learns which experts fit which tokens and only then is steered by the
 topology. The call count is a persistent integer buffer (checkpointed, so a resumed run continues the ramp), kept
 on the device (no sync); a forward recomputed for activation checkpointing counts again.
+
+**Steering by bias (with ``router_expert_bias``, the aux-loss-free family; no loss term).** Every sending rank i
+keeps its own bias b_i[r], one value per destination rank r of its expert-parallel group (``sender_bias``, an fp32
+buffer), added to the scores for the choice only, beside the shared per-expert bias of aux-loss-free balancing:
+expert e is chosen by s_e + expert_bias_e + b_i[rank(e)]; the combine weights stay the scores. Once per global
+batch (where the expert bias moves: ``balance.end_global_batch``, or the Megatron adapter's wrapped
+``finalize_model_grads``) b_i moves by the sign of its dispatch error, DeepSeek-V3's rule applied per sender:
+b_i[r] += u * sign(c_hat_ir * n_i - n_ir), n_ir = the assignments rank i sent to rank r since the last update
+(kept ones, padding excluded), u = ``router_bias_update_rate``; then b_i is centred (mean 0), so only its shape
+steers. Because c_hat is doubly stochastic (step 4), senders that meet their rows load every rank equally, and the
+shared expert bias keeps the experts of one rank balanced. The bias needs no gradient and no gradient sync; under
+tensor / context parallelism the counts are summed over ``seq_group`` and the row is the mean of the group's rows,
+so every rank of the group keeps the same bias. Each rank's bias is its own: the trainers keep it with the
+per-rank gate state of their checkpoints (gate_sync.rank_state), and a run resumed at another expert-parallel
+size starts it from 0 (its rows no longer apply).
 """
 from __future__ import annotations
 
@@ -112,12 +127,60 @@ class TopologyAwareGate(Gate):
                              cfg.ta_moe_later_choice_bias * torch.log(target * cfg.num_experts), persistent=False)
         if cfg.ta_moe_warmup > 0:              # training calls so far: the warm-up's position, saved with the model
             self.register_buffer("warmup_calls", torch.zeros((), dtype=torch.int64))     # integer: survives .half()
+        self.steer_by_bias = bool(cfg.router_expert_bias)
+        if self.steer_by_bias:
+            self._pattern = pattern
+            self._dest_global = [self.ep.global_rank_of(r) for r in range(self.ep.size)]
+            self.register_buffer("rank_target", self._sender_row([me]), persistent=False)       # [R] c_hat_i,r
+            self.register_buffer("dest_rank", torch.arange(cfg.num_experts) // per_rank, persistent=False)   # [E]
+            # per-rank state: saved through gate_sync.rank_state, not the replicated state dict
+            self.register_buffer("sender_bias", torch.zeros(self.ep.size, dtype=torch.float32), persistent=False)
+            self.register_buffer("sender_tokens", torch.zeros(self.ep.size, dtype=torch.float32), persistent=False)
+
+    per_rank_buffers = ("sender_bias",)
+
+    def _sender_row(self, senders) -> torch.Tensor:
+        """The target share c_hat_i,r of each destination rank r of the EP group, averaged over ``senders``."""
+        rows = self._pattern[senders][:, self._dest_global].mean(0)
+        return (rows / rows.sum()).float()
+
+    def set_reduction_groups(self, seq_group=None, batch_group=None) -> None:
+        super().set_reduction_groups(seq_group, batch_group)
+        if self.steer_by_bias and B.group_size(seq_group) > 1:
+            import torch.distributed as dist
+            self.rank_target.copy_(self._sender_row(dist.get_process_group_ranks(seq_group)))
+
+    @torch.no_grad()
+    def _count_for_bias(self, ids, precut, kept, counts, weights, capacity, batch) -> None:
+        super()._count_for_bias(ids, precut, kept, counts, weights, capacity, batch)
+        if self.steer_by_bias:
+            padding = batch.padding if batch is not None else None
+            sent = kept if padding is None else kept & (~padding).unsqueeze(1)
+            n = torch.bincount(self.dest_rank[ids][sent], minlength=self.ep.size)
+            self.sender_tokens += n.to(torch.float32)
+
+    @torch.no_grad()
+    def end_sender_batch(self) -> None:
+        """The per-sender sign update of the module docstring (once per global batch; collective over
+        ``seq_group`` when it has several ranks)."""
+        if not self.steer_by_bias:
+            return
+        n = B.all_reduce_sum(self.sender_tokens, self.seq_group)
+        # nothing sent: the sign is 0 everywhere and the bias stays (no host read)
+        self.sender_bias.add_(torch.sign(self.rank_target * n.sum() - n) * self.cfg.router_bias_update_rate)
+        self.sender_bias.sub_(self.sender_bias.mean())
+        self.sender_tokens.zero_()
 
     def _ramp(self):
         """r in [0, 1]: how far the warm-up has moved the target from uniform to c_hat (1 without a warm-up)."""
         if self.cfg.ta_moe_warmup <= 0:
             return None
         return (self.warmup_calls.float() / self.cfg.ta_moe_warmup).clamp(max=1.0)
+
+    @classmethod
+    def gate_sync_default(cls, cfg) -> str:
+        """local for the loss (its per-rank targets cancel in averaged gradients); all when the bias steers."""
+        return "all" if cfg is not None and cfg.router_expert_bias else cls.default_gate_sync
 
     @classmethod
     def validate_config(cls, cfg) -> None:
@@ -127,6 +190,10 @@ class TopologyAwareGate(Gate):
             raise ConfigError(f"{flag('ta_moe_later_choice_bias')}={cfg.ta_moe_later_choice_bias}: steers the "
                               f"choices after the first, and {flag('top_k')}={cfg.top_k} has none; use top-k >= 2 "
                               "or leave it at 0")
+        if cfg.ta_moe_warmup > 0 and cfg.router_expert_bias:
+            raise ConfigError(f"{flag('ta_moe_warmup')}={cfg.ta_moe_warmup} ramps TA-MoE's loss, and with "
+                              f"{flag('router_expert_bias')} the gate steers by its per-sender bias instead; leave "
+                              "the warm-up at 0")
         if cfg.ta_moe_later_choice_bias > 0 and (cfg.router_expert_bias or cfg.group_topk):
             other = "router_expert_bias" if cfg.router_expert_bias else "group_topk"
             raise ConfigError(f"{flag('ta_moe_later_choice_bias')}={cfg.ta_moe_later_choice_bias} chooses the later "
@@ -136,11 +203,12 @@ class TopologyAwareGate(Gate):
     @classmethod
     def check_options(cls, cfg, topology):
         from ..config import ConfigError, flag
-        if cfg.balance_coeff("aux_loss") <= 0:
+        if cfg.balance_coeff("aux_loss") <= 0 and not cfg.router_expert_bias:
             raise ConfigError(f"{flag('gate')}=ta_moe steers the dispatch only through its topology-aware loss (the "
                               f"aux_loss of {flag('load_balancing_type')}), and {flag('aux_loss_coeff')}="
                               f"{cfg.aux_loss_coeff} with {flag('load_balancing_type')}={cfg.load_balancing_type} "
-                              "switches it off; give aux_loss a coefficient > 0 (e.g. 0.01)")
+                              f"switches it off; give aux_loss a coefficient > 0 (e.g. 0.01), or steer by bias "
+                              f"with {flag('router_expert_bias')} (and a sigmoid score function)")
         pattern = target_dispatch_pattern(topology, cfg.ta_moe_exchange_mb * 1e6, cfg.ta_moe_smoothing)
         if float((pattern - 1.0 / topology.num_ranks).abs().max()) < 1e-6:
             return [f"--moe-gate=ta_moe on the topology {topology.spec()} (bandwidths "
@@ -158,6 +226,8 @@ class TopologyAwareGate(Gate):
             scores = scores.scatter(1, first, float("-inf"))
             later = torch.topk(scores, self.top_k - 1, dim=-1).indices                 # [T, k-1]
             ids = torch.cat([first, later], dim=1)
+        elif self.steer_by_bias:
+            ids = self.topk(logits, probs + self.sender_bias[self.dest_rank], self.top_k)
         else:
             ids = self.topk(logits, probs, self.top_k)
         return ids, torch.ones_like(ids, dtype=torch.bool)
@@ -167,7 +237,9 @@ class TopologyAwareGate(Gate):
         ``seq_group``."""
         counts, total = self.group_counts(ids, valid)
         r = self._ramp()
-        if r is None:
+        if self.steer_by_bias:            # the bias steers; a loss, when given, only balances
+            weight = None
+        elif r is None:
             weight = self.loss_weight
         else:
             weight = (1.0 / self.num_experts) / ((1.0 - r) / self.num_experts + r * self.target)

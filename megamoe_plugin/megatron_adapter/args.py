@@ -20,6 +20,7 @@ import re
 from typing import Any, Callable, Dict, Optional
 
 from ..config import MOVING_PLACEMENTS, ConfigError, MoEConfig, flag, iter_options
+from ..gate_registry import gate_class
 
 PLUGIN_PREFIX = "--moe-plugin-"
 
@@ -343,13 +344,20 @@ def validate_moe_plugin_args(args) -> Optional[MoEConfig]:
         raise _translate(e) from None
     warn_once(startup_line(cfg, args), kind="note")
     args.moe_plugin_config = cfg
+    if getattr(gate_class(cfg.gate), "derives_groups", False):
+        # the node-limited gates read M from --moe-router-group-topk and take the groups from the topology;
+        # megatron-core's own router (replaced) would ask for --moe-router-num-groups
+        args.moe_router_group_topk = None
     return cfg
 
 
 def startup_line(cfg: MoEConfig, args) -> str:
     """One line saying what routes and what replaces Megatron's machinery (printed once, on rank 0)."""
     router = [cfg.gate, cfg.score_function, f"top-{cfg.top_k}"]
-    if cfg.group_topk:
+    if cfg.group_topk and getattr(gate_class(cfg.gate), "derives_groups", False):
+        router.append(f"at most {cfg.group_topk} node{'s' if cfg.group_topk > 1 else ''} per token (nodes from "
+                      "the topology)")
+    elif cfg.group_topk:
         router.append(f"{cfg.group_topk} of {cfg.num_groups} groups")
     if cfg.router_expert_bias:
         router.append(f"expert bias (rate {cfg.router_bias_update_rate:g})")

@@ -51,6 +51,24 @@ def keep_local_gate_grads(finalize: Callable) -> Callable:
     return wrapped
 
 
+def with_sender_bias_update(finalize: Callable) -> Callable:
+    """``finalize_model_grads`` followed by the per-sender bias updates (TA-MoE by bias; megatron-core updates the
+    shared expert bias itself and does not know these)."""
+    if getattr(finalize, "_megamoe_sender_bias", False):
+        return finalize
+    from ..gates.balance import end_sender_batches
+
+    @functools.wraps(finalize)
+    def wrapped(model, *args, **kwargs):
+        out = finalize(model, *args, **kwargs)
+        chunks = model if isinstance(model, (list, tuple)) else [model]
+        end_sender_batches([m for c in chunks for m in c.modules() if hasattr(m, "end_sender_batch")])
+        return out
+
+    wrapped._megamoe_sender_bias = True
+    return wrapped
+
+
 def _inner(optimizer) -> List[object]:
     chain = getattr(optimizer, "chained_optimizers", None)
     return list(chain) if chain else [optimizer]

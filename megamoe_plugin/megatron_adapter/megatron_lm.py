@@ -117,6 +117,12 @@ def _wrap_validate_args(validate_args: Callable) -> Callable:
                 print(f"megamoe-plugin: warning: --moe-plugin-gate-sync={cfg.gate_sync} in pretrain_gpt.py: Megatron-LM's "
                       "checkpoint keeps one replica of each gate (rank 0's); a resumed run starts every rank from it "
                       "(the megatron-core trainer saves every rank's)", file=sys.stderr, flush=True)
+            if cfg is not None and cfg.per_rank_gate_state and not cfg.local_gates \
+                    and int(os.environ.get("RANK", "0")) == 0:
+                print("megamoe-plugin: warning: --moe-plugin-gate ta_moe with --moe-router-enable-expert-bias in "
+                      "pretrain_gpt.py: Megatron-LM's checkpoint keeps no per-rank state, so each rank's sender "
+                      "bias restarts from 0 after a resume and is re-learned (the megatron-core trainer saves "
+                      "it)", file=sys.stderr, flush=True)
             if cfg is not None and cfg.assignment_cache:
                 raise ConfigError("megamoe-plugin: --moe-plugin-assignment-cache in pretrain_gpt.py: Megatron-LM's "
                                   "GPT batches carry no sample index to key the cache by (its multi-epoch "
@@ -207,16 +213,20 @@ def _plugin_cfg():
 
 def _wrap_finalize(finalize: Callable) -> Callable:
     """``finalize_model_grads`` keeping each rank's own gate gradients with --moe-plugin-gate-sync local /
-    average:K (gate_sync.keep_local_gate_grads), decided when it runs (the args exist by then)."""
+    average:K (gate_sync.keep_local_gate_grads), then moving the per-sender biases of TA-MoE by bias
+    (gate_sync.with_sender_bias_update); decided when it runs (the args exist by then)."""
     if getattr(finalize, "_megamoe_wrapped", False):
         return finalize
-    from .gate_sync import keep_local_gate_grads
-    local = keep_local_gate_grads(finalize)
+    from .gate_sync import keep_local_gate_grads, with_sender_bias_update
+    local = with_sender_bias_update(keep_local_gate_grads(finalize))
+    plain = with_sender_bias_update(finalize)
 
     @functools.wraps(finalize)
     def wrapped(*a, **kw):
         cfg = _plugin_cfg()
-        return (local if cfg is not None and cfg.local_gates else finalize)(*a, **kw)
+        if cfg is None:
+            return finalize(*a, **kw)
+        return (local if cfg.local_gates else plain)(*a, **kw)
 
     wrapped._megamoe_wrapped = True
     return wrapped

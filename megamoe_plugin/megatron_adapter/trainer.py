@@ -273,8 +273,9 @@ def load_checkpoint(args, model, optimizer, scheduler) -> int:
 
 
 def _local_gates(args) -> bool:
+    """Whether the checkpoint keeps every rank's own gate state (local gates, per-sender biases)."""
     cfg = getattr(args, "moe_plugin_config", None)
-    return cfg is not None and cfg.local_gates
+    return cfg is not None and cfg.per_rank_gate_state
 
 
 def checkpoint_required(args) -> Optional[str]:
@@ -311,7 +312,7 @@ class Run:
         config.grad_scale_func = self.optimizer.scale_loss
         self.hooks = None
         if args.moe_plugin:
-            from .gate_sync import keep_local_gate_grads
+            from .gate_sync import keep_local_gate_grads, with_sender_bias_update
             from .hooks import get_step_hooks
             global DYNAMIC
             self.hooks = get_step_hooks(args.moe_plugin_config, args.num_layers)
@@ -319,6 +320,7 @@ class Run:
             if args.moe_plugin_config.local_gates:            # each rank's gate its own gradient
                 config.finalize_model_grads_func = keep_local_gate_grads(finalize_model_grads)
                 self.hooks.attach_gate_sync([self.model], self.optimizer)
+            config.finalize_model_grads_func = with_sender_bias_update(config.finalize_model_grads_func)
         self.dp_rank, self.dp = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
         self.n_micro = args.global_batch_size // (args.micro_batch_size * self.dp)
 
