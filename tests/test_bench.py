@@ -225,7 +225,14 @@ def test_bench_capacity_reads_the_cache_and_compares_the_steps_it_was_on(tmp_pat
 
 def test_bench_gates_configs_carry_gate_options():
     from megamoe_plugin.bench.gates import _flags, config_flags
-    assert config_flags("gshard") == ["--moe-gate", "gshard", "--moe-gate-sync", "all"]
+    assert config_flags("gshard") == ["--moe-gate", "gshard", "--moe-gate-sync", "auto"]
+    # presets: the aux-loss-free family's flags, booleans as --moe-X / --no-moe-X, options after a preset
+    assert config_flags("ta_moe_bias+router-bias-update-rate=0.01") == [
+        "--moe-gate", "ta_moe", "--moe-gate-sync", "auto", "--moe-score-function", "sigmoid",
+        "--moe-router-expert-bias", "--moe-load-balancing-type", "none", "--moe-router-bias-update-rate", "0.01"]
+    assert config_flags("topk+router-expert-bias=false")[-1] == "--no-moe-router-expert-bias"
+    assert config_flags("node_limited_sender")[:6] == ["--moe-gate", "node_limited_sender", "--moe-gate-sync",
+                                                       "auto", "--moe-group-topk", "1"]
     assert config_flags("ta_moe:average:50+ta-moe-later-choice-bias=1+ta-moe-smoothing=0.3") == [
         "--moe-gate", "ta_moe", "--moe-gate-sync", "average:50", "--moe-ta-moe-later-choice-bias", "1",
         "--moe-ta-moe-smoothing", "0.3"]
@@ -244,3 +251,37 @@ def test_bench_gates_prediction_prices_the_saved_inter_node_bytes_on_the_uplinks
     # 20 MB fewer across nodes, half on each of 2 uplinks at 100 MB/s: 0.1 s less
     assert predicted_step(base, {"moe_inter_bytes_per_step": 10e6}, 2, 100e6) == pytest.approx(0.6)
     assert predicted_step(base, base, 2, 100e6) == pytest.approx(0.7)
+
+
+def test_bench_gates_seed_summary_compares_each_seed_with_its_own_baseline():
+    from megamoe_plugin.bench.gates import load_imbalance, seed_summary
+    runs = []
+    for seed, (alf_t, bias_t) in enumerate([(100.0, 80.0), (90.0, 60.0), (120.0, 100.0)]):
+        runs.append({"topology": "2x2", "config": "alf", "seed": seed, "off_node_share": 0.5, "load_imbalance": 1.2,
+                     "step_seconds": 1.0, "speedup_vs_alf": 1.0, "step_ratio_vs_alf": 1.0, "loss_vs_alf": 0.0})
+        runs.append({"topology": "2x2", "config": "ta_moe_bias", "seed": seed, "off_node_share": 0.28,
+                     "load_imbalance": 1.3, "step_seconds": 0.9, "speedup_vs_alf": alf_t / bias_t,
+                     "step_ratio_vs_alf": 1 / 0.9, "loss_vs_alf": 0.001 * seed})
+    rows = {r["config"]: r for r in seed_summary(runs)}
+    assert rows["ta_moe_bias"]["speedup_vs_alf"] == pytest.approx(1.25)          # median of 1.25, 1.5, 1.2
+    assert rows["ta_moe_bias"]["speedup_vs_alf_seeds"] == pytest.approx([1.25, 1.5, 1.2])
+    assert rows["ta_moe_bias"]["loss_vs_alf"] == pytest.approx(0.001)
+    assert rows["alf"]["speedup_vs_alf"] == 1.0
+    # busiest expert over the mean: [S, L, P, E] counts, all senders together
+    counts = torch.zeros(4, 1, 2, 4)
+    counts[:, 0, 0] = torch.tensor([3.0, 1.0, 0.0, 0.0])
+    counts[:, 0, 1] = torch.tensor([1.0, 1.0, 1.0, 1.0])
+    assert load_imbalance(counts) == pytest.approx(4.0 / 2.0)
+
+
+def test_topology_gates_page_shows_the_shipped_bench_gates_summary():
+    """docs/topology-gates.md's table is what `megamoe bench gates --report` writes from the shipped results."""
+    import os
+    from megamoe_plugin.bench.gates import report_summary, summary_markdown
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    data = os.path.join(root, "docs", "data", "bench_gates_bias")
+    paths = [os.path.join(data, t, "results.json") for t in ("2x2", "3asym")]
+    page = open(os.path.join(root, "docs", "topology-gates.md")).read()
+    begin, end = "<!-- bench-gates-summary:begin -->\n", "\n<!-- bench-gates-summary:end -->"
+    shown = page[page.index(begin) + len(begin):page.index(end)]
+    assert shown == summary_markdown({"summary": report_summary(paths)})

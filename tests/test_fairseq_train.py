@@ -235,3 +235,22 @@ def test_lm_with_megatron_core_router_family(lm_data, tmp_path):
     assert biases and all(b.abs().max() > 0 for b in biases), list(model)
     for b in biases:         # 5 updates of +-rate (or 0) per expert
         assert torch.allclose(b / rate, (b / rate).round(), atol=1e-4) and (b / rate).abs().max() <= 5
+
+
+def test_lm_two_ranks_ta_moe_by_bias_keeps_each_senders_bias(lm_data, tmp_path):
+    """fairseq-train on 2 ranks (2 nodes of one rank, the inter-node link 4x slower) with TA-MoE steered by its
+    per-sender bias: the expert bias is replicated in the model, each rank's sender bias rides in the checkpoint's
+    per-rank gate state."""
+    import torch
+    _, out = fairseq_cli("train", lm_args(lm_data, tmp_path / "ck", 3, "--distributed-backend", "gloo",
+                                          "--ddp-backend", "legacy_ddp", "--moe-gate", "ta_moe",
+                                          "--moe-score-function", "sigmoid", "--moe-router-expert-bias",
+                                          "--moe-load-balancing-type", "none", "--moe-topology", "[[0],[1]]",
+                                          "--moe-topology-bandwidth-gbps", "4,1"), nproc=2)
+    assert sorted(updates(out)) == [1, 2, 3], out[-3000:]
+    state = torch.load(tmp_path / "ck" / "checkpoint_last.pt", weights_only=False)
+    gates = state["extra_state"]["megamoe_gates"]
+    assert len(gates) == 2
+    keys = [k for k in gates[0] if k.startswith("rank_buffer/") and k.endswith("gate.sender_bias")]
+    assert keys and all(gates[r][k].shape == (2,) for r in range(2) for k in keys), list(gates[0])
+    assert not any(k.endswith("sender_bias") for k in state["model"])

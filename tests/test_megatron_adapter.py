@@ -154,3 +154,26 @@ def test_the_plugin_calls_no_deprecated_megatron_api():
     ours = [f"{w.category.__name__} at {w.filename}:{w.lineno}: {w.message}" for w in caught
             if issubclass(w.category, (DeprecationWarning, FutureWarning)) and w.filename.startswith(pkg)]
     assert not ours, ours
+
+
+def test_topology_aware_gates_take_megatrons_router_flags():
+    """--moe-plugin-gate node_limited_sender reads M from --moe-router-group-topk (megatron-core's own router, which
+    it replaces, would ask for --moe-router-num-groups); ta_moe with the expert bias steers by bias and keeps the
+    gate's gradients reduced as usual."""
+    from megamoe_plugin.config import ConfigError
+    trainer = _trainer_module()
+    args = trainer.parse_args(["--num-experts", "4", "--moe-plugin", "--moe-plugin-gate", "node_limited_sender",
+                               "--moe-router-group-topk", "1", "--moe-router-score-function", "sigmoid",
+                               "--moe-router-enable-expert-bias"])
+    cfg = args.moe_plugin_config
+    assert (cfg.gate, cfg.group_topk, cfg.num_groups) == ("node_limited_sender", 1, 0)
+    assert args.moe_router_group_topk is None
+    assert trainer.transformer_config(args).moe_router_group_topk is None      # megatron-core accepts it
+    from megamoe_plugin.megatron_adapter.args import config_from_megatron
+    assert config_from_megatron(args).group_topk == 1                          # a second validation sees M again
+    with pytest.raises(ConfigError, match="--moe-router-num-groups"):
+        trainer.parse_args(["--num-experts", "4", "--moe-plugin", "--moe-plugin-gate", "node_limited",
+                            "--moe-router-group-topk", "1", "--moe-router-num-groups", "2"])
+    ta = trainer.parse_args(["--num-experts", "4", "--moe-plugin", "--moe-plugin-gate", "ta_moe",
+                             "--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias"])
+    assert ta.moe_plugin_config.gate_sync_mode == ("all", 0) and ta.moe_plugin_config.per_rank_gate_state

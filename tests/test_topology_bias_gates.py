@@ -158,3 +158,67 @@ def test_node_limited_options_are_checked_before_any_model():
         gate_warnings(cfg)
     one_node = MoEConfig(gate="node_limited", group_topk=1, world_size=4, topology="[0,1,2,3]")
     assert "one node" in gate_warnings(one_node)[0]
+
+
+# --- end to end: megamoe train on 4 gloo ranks ------------------------------------------------------------------
+TINY = ["--hidden", "64", "--layers", "2", "--heads", "2", "--ffn-hidden", "128", "--seq-len", "64",
+        "--batch-size", "4", "--corpus-bytes", "300000", "--threads", "1", "--eval-interval", "0",
+        "--eval-batches", "2", "--log-interval", "1", "--moe-every", "1", "--moe-num-experts", "8",
+        "--moe-top-k", "2", "--moe-expert-parallel-size", "4", "--moe-topology", "[[0,1],[2,3]]",
+        "--moe-topology-bandwidth-gbps", "4,1", "--moe-score-function", "sigmoid", "--moe-router-expert-bias",
+        "--moe-load-balancing-type", "none", "--moe-router-bias-update-rate", "0.05"]
+
+
+def _train_worker(rank, world, argv, out):
+    import json
+    import os
+    from megamoe_plugin import train
+    from megamoe_plugin.layer import moe_layers
+    os.environ.update(WORLD_SIZE=str(world), RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    res = train.main(argv)
+    gate = moe_layers(res.model)[0].gate
+    bias = gate.sender_bias.tolist() if hasattr(gate, "sender_bias") else None
+    with open(f"{out}.rank{rank}", "w") as f:
+        json.dump({"loss": {h["step"]: h["loss"] for h in res.history}, "sender_bias": bias}, f)
+
+
+def _train(tmp_path, tag, *argv):
+    import json
+    from conftest import run_distributed
+    out = str(tmp_path / tag)
+    run_distributed(_train_worker, 4, [*TINY, "--corpus-cache", str(tmp_path / "corpus"), *argv], out)
+    return [json.load(open(f"{out}.rank{r}")) for r in range(4)]
+
+
+@pytest.mark.slow
+def test_megamoe_train_steers_by_sender_bias_and_resumes_it_exactly(tmp_path, single_process):
+    ck = str(tmp_path / "ck")
+    full = _train(tmp_path, "full", "--moe-gate", "ta_moe", "--steps", "8")
+    biases = [torch.tensor(r["sender_bias"]) for r in full]
+    # the senders favour their node neighbour (rank r ^ 1, target 1/2) over the remote ranks (1/8 each)
+    margin = [float(b[r ^ 1] - b[[q for q in range(4) if q // 2 != r // 2]].mean()) for r, b in enumerate(biases)]
+    assert sum(margin) / 4 > 0.05 and sum(m > 0 for m in margin) >= 3, biases
+    _train(tmp_path, "first", "--moe-gate", "ta_moe", "--steps", "8", "--save", ck, "--exit-interval", "4")
+    resumed = _train(tmp_path, "resumed", "--moe-gate", "ta_moe", "--steps", "8", "--resume", ck)
+    assert sorted(resumed[0]["loss"]) == ["5", "6", "7", "8"]
+    for step in ("5", "6", "7", "8"):         # the routing after the resume is the uninterrupted run's
+        assert resumed[0]["loss"][step] == pytest.approx(full[0]["loss"][step], rel=1e-6)
+    for a, b in zip(full, resumed):
+        assert a["sender_bias"] == pytest.approx(b["sender_bias"], abs=1e-7)
+
+
+@pytest.mark.slow
+def test_megamoe_train_node_limited_with_placement_and_dynamic_capacity(tmp_path, single_process):
+    runs = _train(tmp_path, "nl", "--moe-gate", "node_limited_sender", "--moe-group-topk", "1", "--steps", "6",
+                  "--moe-placement", "flexmoe", "--moe-placement-interval", "2", "--moe-dispatch", "capacity",
+                  "--moe-capacity-policy", "dynamic")
+    losses = [v for r in runs for v in r["loss"].values()]
+    assert len(runs[0]["loss"]) == 6 and all(v == v and v < 20 for v in losses)
+
+
+def test_sender_bias_stays_fp32_when_the_model_is_cast():
+    gate = _bias_gates()[0]
+    gate.sender_bias.copy_(torch.tensor([0.0, 1e-3, -2e-3, 1e-3]))
+    gate.to(torch.bfloat16)                   # as Megatron's Float16Module casts buffers
+    gate(torch.randn(8, 32, dtype=torch.bfloat16))
+    assert gate.sender_bias.dtype == torch.float32 and gate.rank_target.dtype == torch.float32

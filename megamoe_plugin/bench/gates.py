@@ -242,12 +242,19 @@ def main(argv: Optional[List[str]] = None) -> dict:
                    "the configs of one seed interleaved, seeds one after another; the summary gives medians over "
                    "seeds (empty: the model's seed, --train-rounds rounds)")
     p.add_argument("--out", default="results/bench_gates", help="runs, traces, logs and results.json")
+    p.add_argument("--report", default=None, metavar="RESULTS_JSON", help="print the seeds summaries of finished "
+                   "runs' results.json (comma list) as one markdown table (what docs/topology-gates.md ships) and "
+                   "exit")
     p.add_argument("--table1-worker", default=None, help=argparse.SUPPRESS)
     p.add_argument("--rounds", type=int, default=3, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.table1_worker:
         _table1_worker(args.table1_worker, args.rounds)
         return {}
+    if args.report:
+        results = {"summary": report_summary(args.report.split(","))}
+        print(summary_markdown(results))
+        return results
     why = netns.unavailable()
     if why:
         raise SystemExit(f"megamoe bench gates: {why}")
@@ -391,6 +398,41 @@ def seed_summary(runs: List[dict]) -> List[dict]:
                     "off_node_share": med("off_node_share"), "load_imbalance": med("load_imbalance"),
                     "step_ms": 1e3 * med("step_seconds")})
     return out
+
+
+LABELS = {"gshard": "gshard + aux loss 0.01", "alf": "aux-loss-free baseline (sigmoid + expert bias)",
+          "ta_moe_loss": "TA-MoE's loss (local gates)", "hir": "Hir (FasterMoE)",
+          "node_limited": "node-limited M=1, DeepSeek's rule", "node_limited_sender": "node-limited M=1, sender's node",
+          "ta_moe_bias": "**TA-MoE by bias**"}
+TOPOLOGY_LABELS = {"2x2": "2 x 2", "3asym": "3 nodes 2+1+1"}
+
+
+def report_summary(paths: Sequence[str]) -> List[dict]:
+    """The seeds summaries of several results.json (e.g. one per topology), in order."""
+    rows = []
+    for path in paths:
+        with open(path) as f:
+            results = json.load(f)
+        if "summary" not in results:
+            raise SystemExit(f"megamoe bench gates --report {path}: no seeds summary (a --seeds run writes one)")
+        rows += results["summary"]
+    return rows
+
+
+def summary_markdown(results: dict) -> str:
+    """The seeds summary as the markdown table docs/topology-gates.md ships (``--report``; a test compares them)."""
+    def f(v, fmt):
+        return format(v, fmt) if v is not None else "-"
+    rows = ["| topology | routing | off-node share | busiest expert / mean | step ms | throughput vs baseline | "
+            "final loss vs baseline (equal steps) | time to target vs baseline: median (seeds) |",
+            "|---|---|---|---|---|---|---|---|"]
+    for r in results["summary"]:
+        seeds = " / ".join(f(v, ".2f") for v in r["speedup_vs_alf_seeds"])
+        rows.append(f"| {TOPOLOGY_LABELS.get(r['topology'], r['topology'])} | {LABELS.get(r['config'], r['config'])} "
+                    f"| {f(r['off_node_share'], '.3f')} | {f(r['load_imbalance'], '.2f')} | {f(r['step_ms'], '.0f')} "
+                    f"| {f(r['step_ratio_vs_alf'], '.3f')} | {f(r['loss_vs_alf'], '+.2%')} "
+                    f"| {f(r['speedup_vs_alf'], '.2f')} ({seeds}) |")
+    return "\n".join(rows)
 
 
 def format_summary(summary: List[dict]) -> str:

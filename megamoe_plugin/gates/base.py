@@ -152,6 +152,7 @@ class Gate(nn.Module):
     needs_topology = False                  # its routing reads the job's topology (nodes, link bandwidths)
     default_gate_sync = "all"               # what --moe-gate-sync auto means for this gate
     balance_on_choice = False               # the aux loss counts the gate's own choice (else the router's top-k)
+    fp32_buffers = ("expert_bias", "local_tokens_per_expert", "qb_beta", "qb_beta_accum")   # never cast
 
     @classmethod
     def gate_sync_default(cls, cfg: Optional[MoEConfig]) -> str:
@@ -316,7 +317,7 @@ class Gate(nn.Module):
 
     def _keep_fp32_state(self) -> None:
         """The balancing buffers stay fp32 when the model is cast (megatron-core's Float16Module casts buffers)."""
-        for name in ("expert_bias", "local_tokens_per_expert", "qb_beta", "qb_beta_accum"):
+        for name in self.fp32_buffers:
             t = getattr(self, name, None)
             if t is not None and t.dtype != torch.float32:
                 t.data = t.data.float()

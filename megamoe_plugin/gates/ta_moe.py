@@ -138,6 +138,7 @@ class TopologyAwareGate(Gate):
             self.register_buffer("sender_tokens", torch.zeros(self.ep.size, dtype=torch.float32), persistent=False)
 
     per_rank_buffers = ("sender_bias",)
+    fp32_buffers = Gate.fp32_buffers + ("sender_bias", "sender_tokens", "rank_target")
 
     def _sender_row(self, senders) -> torch.Tensor:
         """The target share c_hat_i,r of each destination rank r of the EP group, averaged over ``senders``."""

@@ -227,7 +227,8 @@ def config_from_megatron(src, world_size: Optional[int] = None, **overrides) -> 
     d["score_function"] = _get(src, "moe_router_score_function", default="softmax") or "softmax"
     d["normalize_top_k"] = d["score_function"] != "softmax" or not _get(src, "moe_router_pre_softmax", default=False)
     d["topk_scaling_factor"] = float(_get(src, "moe_router_topk_scaling_factor") or 0.0)
-    group_topk = _get(src, "moe_router_group_topk") or 0
+    # the node-limited gates' M, kept where validation moved it out of megatron-core's way (below)
+    group_topk = _get(src, "moe_router_group_topk") or getattr(src, "megamoe_node_limit", 0) or 0
     limited = _get(src, "moe_router_topk_limited_devices") or 0
     if not group_topk and limited:                     # megatron-core's deprecated spelling of device-limited routing
         group_topk, d["num_groups"] = limited, d["expert_parallel_size"]
@@ -347,7 +348,7 @@ def validate_moe_plugin_args(args) -> Optional[MoEConfig]:
     if getattr(gate_class(cfg.gate), "derives_groups", False):
         # the node-limited gates read M from --moe-router-group-topk and take the groups from the topology;
         # megatron-core's own router (replaced) would ask for --moe-router-num-groups
-        args.moe_router_group_topk = None
+        args.megamoe_node_limit, args.moe_router_group_topk = cfg.group_topk, None
     return cfg
 
 
