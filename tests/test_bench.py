@@ -284,4 +284,6 @@ def test_topology_gates_page_shows_the_shipped_bench_gates_summary():
     page = open(os.path.join(root, "docs", "topology-gates.md")).read()
     begin, end = "<!-- bench-gates-summary:begin -->\n", "\n<!-- bench-gates-summary:end -->"
     shown = page[page.index(begin) + len(begin):page.index(end)]
-    assert shown == summary_markdown({"summary": report_summary(paths)})
+    table = summary_markdown({"summary": report_summary(paths)})
+    assert shown == table
+    assert table in open(os.path.join(root, "BENCHMARKS.md")).read()      # the same table, not a copy by hand

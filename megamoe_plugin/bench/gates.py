@@ -2,19 +2,26 @@
 Hir gate, paper 003 §4.3).
 
 For each topology (2 nodes x 2, and an asymmetric 3 nodes of 2+1+1 ranks; inter-node links 4x slower than the
-intra-node ones by default) and each gate configuration (gshard; ta_moe with gate sync all / local / average:K;
-hir), ``megamoe train`` trains the same MoE GPT from the same seed and data under ``megamoe cluster run``, every rank
-a fixed-speed device by default (``--cpu-share auto``: its own CPU cgroup), ``--train-rounds`` rounds interleaved
-(the row is the round with the median step; every round's step and loss kept). A configuration may carry gate
-options after ``+`` (``ta_moe:local+ta-moe-later-choice-bias=1`` adds ``--moe-ta-moe-later-choice-bias 1``), and
-``--train-args`` changes the model or data for every run (``"--batch-size 16 --moe-every 2 --seed 1"``). Per run:
+intra-node ones by default) and each routing configuration (the default list: gshard with its aux loss; ``alf``, the
+aux-loss-free baseline: sigmoid scores + expert bias, no loss; TA-MoE's loss with local gates; Hir; node-limited
+routing with DeepSeek's rule and with the sender's rule, M = 1; TA-MoE's target by per-sender bias: ``PRESETS``),
+``megamoe train`` trains the same MoE GPT from the same seed and data under ``megamoe cluster run``, every rank
+a fixed-speed device by default (``--cpu-share auto``: its own CPU cgroup). ``--seeds 0,1,2`` runs every config once
+per seed (the configs of a seed interleaved) and summarises, per config, the medians over seeds of its ratios to the
+baseline of the same seed (``seed_summary``; ``--report`` prints that as markdown, ``--figure`` plots the losses);
+without it, ``--train-rounds`` rounds interleaved (the row is the round with the median step). A configuration may
+carry gate options after ``+`` (``ta_moe:local+ta-moe-later-choice-bias=1`` adds ``--moe-ta-moe-later-choice-bias
+1``; ``=true`` / ``=false`` for a switch), and ``--train-args`` changes the model or data for every run
+(``"--batch-size 16 --moe-every 2"``). Per run:
 
 - the off-node share of the dispatched assignments (routing trace, last quarter of training; for ta_moe its target
   from the derived pattern), and the MoE inter-node bytes per step that implies (computed from the trace:
   assignments x hidden x 4 bytes x 4 exchanges per step);
 - the job's inter-node traffic per step, measured on the links (veth counters; every collective included);
-- the measured step time (median of the log lines after the first), the validation loss at the end, and the
-  training time to a target validation loss (the worst of the runs' best losses, so every run reaches it);
+- the expert-load balance (the busiest expert's assignments over the mean, from the trace's last quarter);
+- the measured step time (median of the log lines after the first), the validation loss at every evaluation and
+  at the end, and the training time to a target validation loss (the worst of the runs' best losses of that
+  topology and seed, so every run reaches it);
 - beside the step, the alpha-beta model's prediction (``predicted_step``): gshard's measured step less the time
   the run's fewer MoE inter-node bytes take on the shaped uplinks.
 
@@ -245,6 +252,8 @@ def main(argv: Optional[List[str]] = None) -> dict:
     p.add_argument("--report", default=None, metavar="RESULTS_JSON", help="print the seeds summaries of finished "
                    "runs' results.json (comma list) as one markdown table (what docs/topology-gates.md ships) and "
                    "exit")
+    p.add_argument("--figure", default=None, metavar="PNG", help="with --report: also plot validation loss against "
+                   "steps and against training seconds (seed 0) into this PNG")
     p.add_argument("--table1-worker", default=None, help=argparse.SUPPRESS)
     p.add_argument("--rounds", type=int, default=3, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -254,6 +263,8 @@ def main(argv: Optional[List[str]] = None) -> dict:
     if args.report:
         results = {"summary": report_summary(args.report.split(","))}
         print(summary_markdown(results))
+        if args.figure:
+            print(f"figure: {figure(args.report.split(','), args.figure)}")
         return results
     why = netns.unavailable()
     if why:
@@ -405,6 +416,8 @@ LABELS = {"gshard": "gshard + aux loss 0.01", "alf": "aux-loss-free baseline (si
           "node_limited": "node-limited M=1, DeepSeek's rule", "node_limited_sender": "node-limited M=1, sender's node",
           "ta_moe_bias": "**TA-MoE by bias**"}
 TOPOLOGY_LABELS = {"2x2": "2 x 2", "3asym": "3 nodes 2+1+1"}
+COLORS = {"gshard": "tab:gray", "alf": "tab:blue", "ta_moe_loss": "tab:green", "hir": "tab:purple",
+          "node_limited": "tab:brown", "node_limited_sender": "tab:olive", "ta_moe_bias": "tab:red"}
 
 
 def report_summary(paths: Sequence[str]) -> List[dict]:
@@ -417,6 +430,44 @@ def report_summary(paths: Sequence[str]) -> List[dict]:
             raise SystemExit(f"megamoe bench gates --report {path}: no seeds summary (a --seeds run writes one)")
         rows += results["summary"]
     return rows
+
+
+def figure(paths: Sequence[str], out: str, seed: int = 0) -> str:
+    """Validation loss against steps (quality per step) and against training seconds (what the user waits for),
+    one row per results.json (topology), the runs of ``seed``; written as a PNG at ``out``."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(len(paths), 2, figsize=(11, 4.2 * len(paths)), squeeze=False)
+    for row, path in zip(axes, paths):
+        with open(path) as f:
+            runs = [r for r in json.load(f)["runs"] if r.get("seed", seed) == seed]
+        for r in runs:
+            steps = [e["step"] for e in r["evals"]]
+            loss = [e["loss"] for e in r["evals"]]
+            secs = [e["train_seconds"] for e in r["evals"]]
+            style = dict(lw=2.4 if r["config"] in ("ta_moe_bias", "alf") else 1.2, color=COLORS.get(r["config"]))
+            label = LABELS.get(r["config"], r["config"]).strip("*")
+            row[0].plot(steps, loss, label=label, **style)
+            row[1].plot(secs, loss, label=label, **style)
+        topo = TOPOLOGY_LABELS.get(runs[0]["topology"], runs[0]["topology"]) if runs else path
+        target = runs[0].get("target_loss") if runs else None
+        for ax, xlabel in zip(row, ("step (equal steps: quality per step)", "training seconds (time to target)")):
+            if target:
+                ax.axhline(target, color="grey", ls=":", lw=1)
+            ax.set_xlabel(xlabel)
+            ax.set_ylabel("validation loss")
+            ax.set_title(f"{topo}, seed {seed}")
+            lo = min(e["loss"] for r in runs for e in r["evals"])
+            ax.set_ylim(lo - 0.05, lo + 0.6)
+        row[1].legend(fontsize=7)
+    fig.tight_layout()
+    fig.suptitle("megamoe bench gates: measured on the emulated cluster (fixed-speed ranks, 100 / 400 MB/s links)",
+                 y=1.02)
+    os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
+    fig.savefig(out, dpi=100, bbox_inches="tight")
+    plt.close(fig)
+    return out
 
 
 def summary_markdown(results: dict) -> str:

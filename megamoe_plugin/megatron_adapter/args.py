@@ -373,4 +373,6 @@ def startup_line(cfg: MoEConfig, args) -> str:
                 if given(getattr(args, attr, None))]
     line = (f"MoE layers: the plugin's router [{', '.join(router)}], {dispatch} all-to-all-v dispatch over "
             f"EP={cfg.expert_parallel_size}, experts {cfg.activation}")
+    if cfg.gate not in ("topk", "naive"):
+        line += f" (the {cfg.gate} gate's own choice rule, not megatron-core's top-k)"
     return line + ("; same math as Megatron's, which it replaces: " + "; ".join(replaced) if replaced else "")
