@@ -152,7 +152,10 @@ def test_node_limited_options_are_checked_before_any_model():
     with pytest.raises(ConfigError, match="--moe-num-groups"):
         MoEConfig(gate="node_limited", num_groups=2, group_topk=1, world_size=4, topology="[[0,1],[2,3]]")
     with pytest.raises(ConfigError, match="--moe-group-topk"):
-        MoEConfig(gate="node_limited", world_size=4, topology="[[0,1],[2,3]]")
+        MoEConfig(gate="node_limited", group_topk=-1, world_size=4, topology="[[0,1],[2,3]]")
+    default = build_gate(MoEConfig(gate="node_limited_sender", world_size=4, topology="[[0,1],[2,3]]"), 16,
+                         ep=ExpertParallel.layout(3, [0, 1, 2, 3]))
+    assert default.node_limit == 1 and (default(torch.randn(50, 16)).expert_ids >= 4).all()   # M = 1 by default
     cfg = MoEConfig(gate="node_limited_sender", top_k=4, group_topk=1, world_size=4, topology="[[0,1],[2],[3]]")
     with pytest.raises(ConfigError, match="--moe-group-topk=1"):
         gate_warnings(cfg)
@@ -208,12 +211,14 @@ def test_megamoe_train_steers_by_sender_bias_and_resumes_it_exactly(tmp_path, si
 
 
 @pytest.mark.slow
-def test_megamoe_train_node_limited_with_placement_and_dynamic_capacity(tmp_path, single_process):
-    runs = _train(tmp_path, "nl", "--moe-gate", "node_limited_sender", "--moe-group-topk", "1", "--steps", "6",
-                  "--moe-placement", "flexmoe", "--moe-placement-interval", "2", "--moe-dispatch", "capacity",
-                  "--moe-capacity-policy", "dynamic")
+@pytest.mark.parametrize("gate", [["node_limited_sender", "--moe-group-topk", "1"], ["ta_moe"]])
+def test_megamoe_train_with_placement_and_dynamic_capacity(tmp_path, single_process, gate):
+    runs = _train(tmp_path, "run", "--moe-gate", *gate, "--steps", "6", "--moe-placement", "flexmoe",
+                  "--moe-placement-interval", "2", "--moe-dispatch", "capacity", "--moe-capacity-policy", "dynamic")
     losses = [v for r in runs for v in r["loss"].values()]
     assert len(runs[0]["loss"]) == 6 and all(v == v and v < 20 for v in losses)
+    if gate[0] == "ta_moe":                  # the kept assignments moved each sender's bias
+        assert all(any(abs(v) > 0 for v in r["sender_bias"]) for r in runs)
 
 
 def test_sender_bias_stays_fp32_when_the_model_is_cast():

@@ -46,7 +46,7 @@ class NodeLimitedGate(Gate):
         index = {n: i for i, n in enumerate(nodes)}
         node_ids = torch.tensor([index[n] for n in node_of_expert])
         self.num_nodes = len(nodes)
-        self.node_limit = min(cfg.group_topk, self.num_nodes)
+        self.node_limit = min(node_limit(cfg), self.num_nodes)
         widest = max(int((node_ids == i).sum()) for i in range(self.num_nodes))
         # [N, widest] expert ids of each node, padded with E (a -inf column appended to the scores)
         table = torch.full((self.num_nodes, widest), cfg.num_experts, dtype=torch.long)
@@ -56,7 +56,7 @@ class NodeLimitedGate(Gate):
         self.register_buffer("node_table", table, persistent=False)
         self.register_buffer("expert_node", node_ids, persistent=False)
         self.own_node = index.get(own, 0)
-        self.per_node = max(1, min(cfg.top_k // max(cfg.group_topk, 1), widest))
+        self.per_node = max(1, min(cfg.top_k // self.node_limit, widest))
 
     @classmethod
     def validate_config(cls, cfg) -> None:
@@ -65,9 +65,9 @@ class NodeLimitedGate(Gate):
         if cfg.num_groups:
             raise ConfigError(f"{flag('num_groups')}={cfg.num_groups}: --moe-gate {cfg.gate} takes its groups from "
                               f"the topology's nodes (--moe-topology or the launcher's LOCAL_WORLD_SIZE); leave it 0")
-        if cfg.group_topk < 1:
-            raise ConfigError(f"{flag('group_topk')}={cfg.group_topk}: --moe-gate {cfg.gate} needs M >= 1, the most "
-                              "nodes one token may use (e.g. 1: every token on one node)")
+        if cfg.group_topk < 0:
+            raise ConfigError(f"{flag('group_topk')}={cfg.group_topk}: --moe-gate {cfg.gate} takes M >= 1, the most "
+                              "nodes one token may use (0, the default: one node)")
 
     @classmethod
     def check_options(cls, cfg, topology) -> List[str]:
@@ -75,11 +75,12 @@ class NodeLimitedGate(Gate):
         nodes = topology.node_ids()
         per_rank = cfg.num_experts / max(topology.num_ranks, 1)
         sizes = sorted(nodes.count(n) * per_rank for n in set(nodes))
-        room = sum(sizes[:min(cfg.group_topk, len(sizes))])
+        M = min(node_limit(cfg), len(sizes))
+        room = sum(sizes[:M])
         if cls.sender_admitted:          # the sender's own node may be the smallest
-            room = sizes[0] + sum(sizes[::-1][:max(min(cfg.group_topk, len(sizes)) - 1, 0)])
+            room = sizes[0] + sum(sizes[::-1][:M - 1])
         if cfg.top_k > room:
-            raise ConfigError(f"{flag('group_topk')}={cfg.group_topk}: on the topology {topology.spec()} the "
+            raise ConfigError(f"{flag('group_topk')}={node_limit(cfg)}: on the topology {topology.spec()} the "
                               f"admitted nodes can hold {room:g} experts, fewer than {flag('top_k')}={cfg.top_k}; "
                               "admit more nodes")
         if len(set(nodes)) == 1:
@@ -111,6 +112,11 @@ class SenderNodeLimitedGate(NodeLimitedGate):
     """Node-limited routing that always admits the sender's own node, plus its M - 1 best other nodes."""
 
     sender_admitted = True
+
+
+def node_limit(cfg) -> int:
+    """M: --moe-group-topk, 1 when not given."""
+    return cfg.group_topk or 1
 
 
 def expert_nodes(topology, ep, num_experts: int):
