@@ -156,6 +156,7 @@ def test_the_plugin_calls_no_deprecated_megatron_api():
     assert not ours, ours
 
 
+@pytest.mark.one_release
 def test_topology_aware_gates_take_megatrons_router_flags():
     """--moe-plugin-gate node_limited_sender reads M from --moe-router-group-topk (megatron-core's own router, which
     it replaces, would ask for --moe-router-num-groups); ta_moe with the expert bias steers by bias and keeps the

@@ -137,7 +137,10 @@ def test_native_checkpoint_into_plugin_and_back(checkout, tmp_path):  # noqa: F8
         assert abs(runs["plugin7"][it] - v) <= 1e-4 * abs(v), (recipe, runs)
     # both checkpoints continue natively: with their optimizer state at EP=2, and at EP=1 (weights only:
     # megatron-core's Adam state and RNG states do not reshard to another expert-parallel size)
-    for layout in (ep2, ["--expert-model-parallel-size", "1", "--no-load-optim", "--no-load-rng"]):
+    layouts = [ep2]
+    if _megatron_version(checkout) >= (0, 19):      # the resharded resume on one release (the suite's time budget)
+        layouts.append(["--expert-model-parallel-size", "1", "--no-load-optim", "--no-load-rng"])
+    for layout in layouts:
         resumed = {}
         for name in ("native7", "plugin7"):
             resumed[name], out = _run(root, tmp_path, base + layout + ["--load", ck[name]])
