@@ -500,7 +500,8 @@ class MoEConfig:
     def per_rank_gate_state(self) -> bool:
         """Whether checkpoints keep every rank's own gate state: local gates, or a gate with per-rank buffers
         (ta_moe steered by bias: each sender's bias)."""
-        return self.local_gates or (self.gate == "ta_moe" and self.router_expert_bias)
+        cls = gate_class(self.gate)
+        return self.local_gates or (cls is not None and cls.has_per_rank_state(self))
 
     @property
     def balance_losses(self):

@@ -470,33 +470,37 @@ def figure(paths: Sequence[str], out: str, seed: int = 0) -> str:
     return out
 
 
+def _fmt(v, fmt: str) -> str:
+    return format(v, fmt) if v is not None else "-"
+
+
+def _summary_cells(r: dict) -> List[str]:
+    """One summary row's values as text: off-node share, balance, step ms, throughput, loss, time to target."""
+    seeds = " / ".join(_fmt(v, ".2f") for v in r["speedup_vs_alf_seeds"])
+    return [_fmt(r["off_node_share"], ".3f"), _fmt(r["load_imbalance"], ".2f"), _fmt(r["step_ms"], ".0f"),
+            _fmt(r["step_ratio_vs_alf"], ".3f"), _fmt(r["loss_vs_alf"], "+.2%"),
+            f"{_fmt(r['speedup_vs_alf'], '.2f')} ({seeds})"]
+
+
 def summary_markdown(results: dict) -> str:
     """The seeds summary as the markdown table docs/topology-gates.md ships (``--report``; a test compares them)."""
-    def f(v, fmt):
-        return format(v, fmt) if v is not None else "-"
     rows = ["| topology | routing | off-node share | busiest expert / mean | step ms | throughput vs baseline | "
             "final loss vs baseline (equal steps) | time to target vs baseline: median (seeds) |",
             "|---|---|---|---|---|---|---|---|"]
     for r in results["summary"]:
-        seeds = " / ".join(f(v, ".2f") for v in r["speedup_vs_alf_seeds"])
-        rows.append(f"| {TOPOLOGY_LABELS.get(r['topology'], r['topology'])} | {LABELS.get(r['config'], r['config'])} "
-                    f"| {f(r['off_node_share'], '.3f')} | {f(r['load_imbalance'], '.2f')} | {f(r['step_ms'], '.0f')} "
-                    f"| {f(r['step_ratio_vs_alf'], '.3f')} | {f(r['loss_vs_alf'], '+.2%')} "
-                    f"| {f(r['speedup_vs_alf'], '.2f')} ({seeds}) |")
+        cells = [TOPOLOGY_LABELS.get(r["topology"], r["topology"]), LABELS.get(r["config"], r["config"]),
+                 *_summary_cells(r)]
+        rows.append("| " + " | ".join(cells) + " |")
     return "\n".join(rows)
 
 
 def format_summary(summary: List[dict]) -> str:
-    def f(v, fmt):
-        return format(v, fmt) if v is not None else "-"
+    widths = (8, 7, 8, 17, 11, 0)
     lines = [f"{'topology':<7} {'config':<20} {'off-node':>8} {'balance':>7} {'step ms':>8} {'throughput vs alf':>17} "
-             f"{'loss vs alf':>11} {'time to target vs alf (median; seeds)':>40}"]
+             f"{'loss vs alf':>11} time to target vs alf (median; seeds)"]
     for r in summary:
-        seeds = " / ".join(f(v, ".2f") for v in r["speedup_vs_alf_seeds"])
-        lines.append(f"{r['topology']:<7} {r['config']:<20} {f(r['off_node_share'], '.3f'):>8} "
-                     f"{f(r['load_imbalance'], '.2f'):>7} {f(r['step_ms'], '.0f'):>8} "
-                     f"{f(r['step_ratio_vs_alf'], '.3f'):>17} {f(r['loss_vs_alf'], '+.2%'):>11} "
-                     f"{f(r['speedup_vs_alf'], '.2f'):>6} ({seeds})")
+        cells = " ".join(c.rjust(w) for c, w in zip(_summary_cells(r), widths))
+        lines.append(f"{r['topology']:<7} {r['config']:<20} {cells}")
     return "\n".join(lines)
 
 

@@ -155,6 +155,11 @@ class Gate(nn.Module):
     fp32_buffers = ("expert_bias", "local_tokens_per_expert", "qb_beta", "qb_beta_accum")   # never cast
 
     @classmethod
+    def has_per_rank_state(cls, cfg: MoEConfig) -> bool:
+        """Whether this gate, with these options, keeps buffers of its own per rank (``per_rank_buffers``)."""
+        return False
+
+    @classmethod
     def gate_sync_default(cls, cfg: Optional[MoEConfig]) -> str:
         """What --moe-gate-sync auto means for this gate with these options."""
         return cls.default_gate_sync
@@ -192,9 +197,13 @@ class Gate(nn.Module):
         """The k best experts [T, k], group-limited when configured. softmax scores with normalisation choose on
         the logits (megatron-core: group scores then sum logits), otherwise on ``probs``."""
         cfg = self.cfg
+        return topk_ids(self.choice_basis(logits, probs), k, cfg.num_groups, cfg.group_topk)
+
+    def choice_basis(self, logits: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
+        """What the top-k compares: the logits for softmax with normalisation (megatron-core), else ``probs``."""
+        cfg = self.cfg
         on_logits = cfg.score_function == "softmax" and cfg.normalize_top_k and logits is not None
-        basis = logits if on_logits else probs
-        return topk_ids(basis, k, cfg.num_groups, cfg.group_topk)
+        return logits if on_logits else probs
 
     def balance_loss(self, scores: torch.Tensor, ids: torch.Tensor, valid: Optional[torch.Tensor],
                      coeff: float) -> torch.Tensor:
@@ -435,3 +444,15 @@ def assignment_fractions(expert_ids: torch.Tensor, kept: torch.Tensor, num_exper
     flat = masked_expert_ids(expert_ids, kept, num_experts)
     counts = torch.bincount(flat, minlength=num_experts + 1)[:num_experts].float()
     return counts / max(expert_ids.numel(), 1)
+
+
+def expert_nodes(topology, ep: ExpertParallel, num_experts: int):
+    """([E] the topology node of each expert's home rank in the EP group, this rank's node); experts sit in
+    contiguous blocks over the EP ranks."""
+    if topology.num_ranks <= max(ep.global_ranks):
+        raise ValueError(f"--moe-topology={topology.spec()} has {topology.num_ranks} ranks but the expert-parallel "
+                         f"group holds global rank {max(ep.global_ranks)}")
+    per_rank = num_experts // ep.size
+    nodes = topology.node_ids()
+    return ([nodes[ep.global_rank_of(e // per_rank)] for e in range(num_experts)],
+            nodes[ep.global_rank_of(ep.rank)])

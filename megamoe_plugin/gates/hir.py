@@ -17,7 +17,7 @@ import math
 
 import torch
 
-from .base import Gate
+from .base import Gate, expert_nodes
 from .registry import register_gate
 
 
@@ -29,14 +29,9 @@ class HirGate(Gate):
     def __init__(self, cfg, hidden_size, ep=None, topology=None):
         super().__init__(cfg, hidden_size, ep=ep, topology=topology)
         topo = topology or cfg.build_topology()
-        if topo.num_ranks <= max(self.ep.global_ranks):
-            raise ValueError(f"--moe-topology={topo.spec()} has {topo.num_ranks} ranks but the expert-parallel "
-                             f"group holds global rank {max(self.ep.global_ranks)}")
-        per_rank = cfg.num_experts // self.ep.size
-        nodes = topo.node_ids()
+        node_of_expert, own = expert_nodes(topo, self.ep, cfg.num_experts)
         me = self.ep.global_rank_of(self.ep.rank)
-        expert_node = torch.tensor([nodes[self.ep.global_rank_of(e // per_rank)] for e in range(cfg.num_experts)])
-        self.register_buffer("local_expert", expert_node == nodes[me], persistent=False)
+        self.register_buffer("local_expert", torch.tensor(node_of_expert) == own, persistent=False)
         self.single_node = bool(self.local_expert.all())   # decided once here: no host sync per call
         self.workers_per_node = topo.ranks_per_node(me)
         self.budget_ratio = cfg.hir_budget_scale * topo.net_bandwidth / (self.workers_per_node * topo.local_bandwidth)

@@ -25,7 +25,7 @@ from typing import List
 
 import torch
 
-from .base import Gate
+from .base import Gate, expert_nodes
 from .registry import register_gate
 
 
@@ -89,9 +89,7 @@ class NodeLimitedGate(Gate):
         return []
 
     def topk(self, logits, probs, k):
-        cfg = self.cfg
-        on_logits = cfg.score_function == "softmax" and cfg.normalize_top_k and logits is not None
-        basis = (logits if on_logits else probs).float()
+        basis = self.choice_basis(logits, probs).float()
         if self.num_nodes == 1:
             return torch.topk(basis, k=k, dim=-1).indices
         T = basis.shape[0]
@@ -117,14 +115,3 @@ class SenderNodeLimitedGate(NodeLimitedGate):
 def node_limit(cfg) -> int:
     """M: --moe-group-topk, 1 when not given."""
     return cfg.group_topk or 1
-
-
-def expert_nodes(topology, ep, num_experts: int):
-    """([E] the node of each expert's home rank in the EP group, this rank's node)."""
-    if topology.num_ranks <= max(ep.global_ranks):
-        raise ValueError(f"--moe-topology={topology.spec()} has {topology.num_ranks} ranks but the expert-parallel "
-                         f"group holds global rank {max(ep.global_ranks)}")
-    per_rank = num_experts // ep.size
-    nodes = topology.node_ids()
-    return ([nodes[ep.global_rank_of(e // per_rank)] for e in range(num_experts)],
-            nodes[ep.global_rank_of(ep.rank)])

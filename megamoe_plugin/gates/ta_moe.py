@@ -56,6 +56,7 @@ size starts it from 0 (its rows no longer apply).
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
 from . import balance as B
 from .base import Gate
@@ -148,7 +149,6 @@ class TopologyAwareGate(Gate):
     def set_reduction_groups(self, seq_group=None, batch_group=None) -> None:
         super().set_reduction_groups(seq_group, batch_group)
         if self.steer_by_bias and B.group_size(seq_group) > 1:
-            import torch.distributed as dist
             self.rank_target.copy_(self._sender_row(dist.get_process_group_ranks(seq_group)))
 
     @torch.no_grad()
@@ -157,8 +157,9 @@ class TopologyAwareGate(Gate):
         if self.steer_by_bias:
             padding = batch.padding if batch is not None else None
             sent = kept if padding is None else kept & (~padding).unsqueeze(1)
-            n = torch.bincount(self.dest_rank[ids][sent], minlength=self.ep.size)
-            self.sender_tokens += n.to(torch.float32)
+            # weights, not a mask index: no data-dependent shape, no device sync
+            self.sender_tokens += torch.bincount(self.dest_rank[ids].flatten(), weights=sent.flatten().float(),
+                                                 minlength=self.ep.size)
 
     @torch.no_grad()
     def end_sender_batch(self) -> None:
@@ -177,6 +178,10 @@ class TopologyAwareGate(Gate):
         if self.cfg.ta_moe_warmup <= 0:
             return None
         return (self.warmup_calls.float() / self.cfg.ta_moe_warmup).clamp(max=1.0)
+
+    @classmethod
+    def has_per_rank_state(cls, cfg) -> bool:
+        return bool(cfg.router_expert_bias)            # each sender's bias
 
     @classmethod
     def gate_sync_default(cls, cfg) -> str:
