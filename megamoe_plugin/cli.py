@@ -10,6 +10,7 @@
     megamoe cache-sim         expert-buffering miss rates vs cache size on a trace, incl. Belady's MIN
     megamoe balance           greedy / anti-correlation expert placement from a trace -> --moe-placement-file
     megamoe reproduce <paper> a paper's tables and figures, each number labelled measured / predicted / paper
+    megamoe results           the results pages' tables and figures from the shipped data (--check compares)
     megamoe cluster run ...   a torch.distributed job on an emulated multi-node cluster (network namespaces)
     megamoe doctor            does the plugin work with the installed Megatron? builds, runs, compares one MoE layer
 
@@ -189,6 +190,11 @@ def _reproduce(argv: List[str]) -> int:
     return 0
 
 
+def _results(argv: List[str]) -> int:
+    from . import results
+    return results.main(argv)
+
+
 _COMMANDS = {
     "train": (_train, "Train the small MoE GPT language model on the embedded corpus (plain PyTorch, no Megatron)."),
     "bench": (_bench, "Run the MoE benchmarks (megamoe_plugin.bench)."),
@@ -202,6 +208,7 @@ _COMMANDS = {
     "cluster": (_cluster, "An emulated multi-node cluster (network namespaces, shaped links): run a job on it."),
     "doctor": (_doctor, "Check the plugin against the installed Megatron: build, run and compare one MoE layer."),
     "reproduce": (_reproduce, "Regenerate a paper's tables and figures: fastermoe|tamoe|flexmoe|dynamoe|deployment."),
+    "results": (_results, "Regenerate (or --check) the results pages' tables and figures from the shipped data."),
 }
 
 

@@ -24,9 +24,9 @@ def test_readme_is_short_and_its_test_command_is_ci():
 
 
 def test_relative_links_resolve():
-    pages = ["README.md", "BENCHMARKS.md", "CHANGELOG.md"] + [os.path.join("docs", f) for f in
-                                                               os.listdir(os.path.join(ROOT, "docs"))
-                                                               if f.endswith(".md")]
+    pages = ["README.md", "BENCHMARKS.md", "CHANGELOG.md", os.path.join("docs", "data", "README.md")]
+    for folder in ("docs", os.path.join("docs", "history")):
+        pages += [os.path.join(folder, f) for f in os.listdir(os.path.join(ROOT, folder)) if f.endswith(".md")]
     broken = []
     for page in pages:
         for target in re.findall(r"\]\(([^)\s]+)\)", _read(page)):

@@ -3,7 +3,7 @@ expert-buffering cache miss rates (Â§VI-C, Fig. 12) and expert load balancing (Â
 
 What is measured, and by which code (this module only drives it and presents the results):
 
-* Figs. 9-10: ``megamoe bench inference`` (``bench/inference.py``; BENCHMARKS.md "Inference deployment"): one tiny
+* Figs. 9-10: ``megamoe bench inference`` (``bench/inference.py``; BENCHMARKS.md, section inference): one tiny
   MoE LM with the same weights through the paper's static gating (dense [T, E, C] masks and einsums at its LM
   capacity factor 12.8), this package's capacity dispatch at CF 1, 2 and 12.8, and dynamic (dropless) gating;
   throughput (tokens/s, median LM forward), peak activation memory and the largest batch within a memory budget.

@@ -2,7 +2,7 @@
 and the fraction of tokens not reassigned per epoch that drives sample-assignment caching (§5.3 Fig. 10).
 
 Everything measured comes from one call of ``megamoe bench dynamic`` (``bench/dynamic.py``; its docstring and
-BENCHMARKS.md's "megamoe bench dynamic" section say how): one real-text LM trained seven times from the same weights
+BENCHMARKS.md's dynamic section say how): one real-text LM trained seven times from the same weights
 on the same data, static CF 1 / 2 / 4 / no-drop (CF = E/k), dynamic capacity (two policies) and dynamic + assignment
 cache, interleaved step by step. ``--fast`` uses the bench's ``quick`` setting (seconds; the CI test), the full mode
 its ``default`` (a few minutes on 2 cores). This module only presents the results as the paper's figures:
