@@ -4,7 +4,7 @@
               gates/, dispatch/, experts/, layer, models/, data/
     features  placement/, dynamic/, inference/, perfmodel/, gate_sync
     adapters  megatron_adapter/, fairseq_adapter/, train, train_checkpoint, cluster/
-    tools     cli, trace_cli, bench/, reproduce/
+    tools     cli, trace_cli, bench/, reproduce/, results/
 
 A module may import its own layer and the layers below it, never a layer above; no import cycle between modules;
 the dispatch core imports no feature (features plug into it, dispatch/features.py); the config imports no gate."""
@@ -20,7 +20,7 @@ LAYERS = {
              "gates", "dispatch", "experts", "layer", "models", "data", "launch", "progress", "__init__"],
     "features": ["placement", "dynamic", "inference", "perfmodel", "gate_sync"],
     "adapters": ["megatron_adapter", "fairseq_adapter", "train", "train_checkpoint", "cluster"],
-    "tools": ["cli", "trace_cli", "bench", "reproduce"],
+    "tools": ["cli", "trace_cli", "bench", "reproduce", "results"],
 }
 ORDER = list(LAYERS)
 
