@@ -25,13 +25,13 @@ LAYERS = {
 ORDER = list(LAYERS)
 
 
-def _modules():
+def _modules(root=ROOT):
     out = {}
-    for dirpath, _, files in os.walk(ROOT):
+    for dirpath, _, files in os.walk(root):
         for name in files:
             if name.endswith(".py"):
                 path = os.path.join(dirpath, name)
-                rel = os.path.relpath(path, os.path.dirname(ROOT))[:-3].replace(os.sep, ".")
+                rel = os.path.relpath(path, os.path.dirname(root))[:-3].replace(os.sep, ".")
                 out[rel[:-len(".__init__")] if rel.endswith(".__init__") else rel] = path
     return out
 
@@ -39,8 +39,10 @@ def _modules():
 MODULES = _modules()
 
 
-def _imports(module, path):
-    """Project modules imported anywhere in the file (top level, functions, classes, try blocks)."""
+def _imports(module, path, modules=None, pkg=PKG):
+    """Project modules imported anywhere in the file (top level, functions, classes, try blocks). ``from . import
+    x`` counts as importing the package too: it reads the package's namespace, which its __init__ fills."""
+    modules = MODULES if modules is None else modules
     is_pkg = path.endswith("__init__.py")
     base = module.split(".") if is_pkg else module.split(".")[:-1]
     with open(path) as f:
@@ -59,9 +61,9 @@ def _imports(module, path):
         else:
             continue
         for name in names:
-            while name and name not in MODULES:
+            while name and name not in modules:
                 name = name.rpartition(".")[0]
-            if name.startswith(PKG + ".") and name != module:
+            if (name == pkg or name.startswith(pkg + ".")) and name != module:
                 found.add(name)
     return found
 
@@ -100,11 +102,11 @@ def test_dispatch_imports_no_feature_and_config_no_gate():
     assert not [d for d in GRAPH[f"{PKG}.config"] if d.startswith(f"{PKG}.gates")]
 
 
-def _cycles():
-    """Strongly connected components of more than one module (Tarjan), package inits' re-exports excluded:
-    ``from .sub import x`` inside a package's own __init__ is how a package exposes its parts."""
-    edges = {m: {d for d in deps if not (MODULES[m].endswith("__init__.py") and d.startswith(m + "."))
-                 and not d == PKG} for m, deps in GRAPH.items()}
+def _cycles(graph=None):
+    """Strongly connected components of more than one module (Tarjan). A package's __init__ counts like any
+    module: when it re-exports a submodule that imports the package back (``from . import x``, ``from ..pkg import
+    name``), that is a cycle, resolved only by the order Python happens to load them in."""
+    edges = GRAPH if graph is None else graph
     index, low, stack, on, out = {}, {}, [], set(), []
     counter = [0]
 
@@ -141,6 +143,23 @@ def _cycles():
 def test_no_import_cycles():
     cycles = _cycles()
     assert not cycles, "\n".join(" <-> ".join(c) for c in cycles)
+
+
+def test_the_checker_sees_a_cycle_through_a_package_init(tmp_path):
+    """pkg/__init__ re-exports pkg.a and pkg.c; pkg.a imports pkg.b; pkg.b takes C from the package's namespace
+    (``from . import C``): the cycle pkg -> pkg.a -> pkg.b -> pkg is found; without the re-export of pkg.a it is not."""
+    root = tmp_path / "pkg"
+    root.mkdir()
+    (root / "__init__.py").write_text("from .a import A\nfrom .c import C\n")
+    (root / "a.py").write_text("from .b import B\nA = 1\n")
+    (root / "b.py").write_text("from . import C\nB = C\n")
+    (root / "c.py").write_text("C = 3\n")
+    modules = _modules(str(root))
+    graph = {m: _imports(m, p, modules, "pkg") for m, p in modules.items()}
+    assert _cycles(graph) == [["pkg", "pkg.a", "pkg.b"]]
+    (root / "__init__.py").write_text("from .c import C\n")
+    graph = {m: _imports(m, p, modules, "pkg") for m, p in modules.items()}
+    assert _cycles(graph) == []
 
 
 def test_the_checker_sees_deferred_imports(tmp_path):

@@ -284,7 +284,7 @@ def test_auto_kernel_on_cuda_leaves_the_grouped_gemm_only_for_a_clearly_faster_l
     time, once per card and shape, with the first call's row bucket (at most MAX_TIMING_ROWS_CUDA) on the call's
     device. (The device itself is faked: the tensors' device type is all the decision reads.)"""
     seen = []
-    monkeypatch.setattr(grouped, "available", lambda: True)
+    monkeypatch.setattr(choice, "grouped_mm_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "fake card")
     x = SimpleNamespace(device=torch.device("cuda", 0), shape=(40000, 8), dtype=torch.bfloat16)
     w1, w2 = torch.randn(8, 8, 16), torch.randn(8, 16, 8)
@@ -330,7 +330,7 @@ def test_auto_kernel_measures_both_clocks_on_real_kernels():
 
 
 def test_grouped_mm_refused_clearly_when_torch_lacks_it(monkeypatch):
-    monkeypatch.setattr(grouped, "available", lambda: False)
+    monkeypatch.setattr(choice, "grouped_mm_available", lambda: False)
     x, w1, w2 = torch.randn(4, 8), torch.randn(2, 8, 16), torch.randn(2, 16, 8)
     with pytest.raises(RuntimeError, match="--moe-expert-kernel=grouped_mm"):
         choice.choose_kernel("grouped_mm", x, w1, w2, "gelu", False)

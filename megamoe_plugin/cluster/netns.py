@@ -29,6 +29,7 @@ import subprocess
 from dataclasses import dataclass
 from typing import List, Optional
 
+from .cpu_caps import remove_leftovers as remove_cpu_cap_leftovers
 from .resource import CreatedResource
 
 PREFIX = "mmoe"
@@ -233,5 +234,4 @@ def remove_leftovers(all_runs: bool = False) -> List[str]:
         cmd = ["ip", "netns", "del", name] if kind == "netns" else ["ip", "link", "del", name]
         if subprocess.run(cmd, capture_output=True).returncode == 0:
             removed.append(item)
-    from . import cpu_caps                      # the runs' CPU cgroups, named by the same run ids
-    return removed + cpu_caps.remove_leftovers(sorted(live))
+    return removed + remove_cpu_cap_leftovers(sorted(live))  # the runs' CPU cgroups, named by the same run ids

@@ -32,7 +32,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 from ..notices import warn_once
-from . import grouped
+from .grouped import GroupedExpertMM, available as grouped_mm_available, offsets_from_counts
 from .loop import GroupedExpertFFN, lane_budget
 
 KERNELS = ("auto", "grouped_mm", "loop")
@@ -71,11 +71,11 @@ def _time_both(E: int, H: int, F1: int, F: int, dtype: torch.dtype, activation: 
         b1 = torch.zeros(E, F1, dtype=dtype, device=device, requires_grad=True) if bias else None
         b2 = torch.zeros(E, H, dtype=dtype, device=device, requires_grad=True) if bias else None
         counts = [rows // E + (1 if e < rows % E else 0) for e in range(E)]
-        offs = grouped.offsets_from_counts(torch.tensor(counts, device=device))
+        offs = offsets_from_counts(torch.tensor(counts, device=device))
         dy = torch.ones(rows, H, dtype=dtype, device=device)
         runs = {
             "loop": lambda: GroupedExpertFFN.apply(x, w1, w2, b1, b2, counts, activation, lanes, cpu_gemm),
-            "grouped_mm": lambda: grouped.GroupedExpertMM.apply(x, w1, w2, b1, b2, offs, activation),
+            "grouped_mm": lambda: GroupedExpertMM.apply(x, w1, w2, b1, b2, offs, activation),
         }
         for fn in runs.values():
             fn().backward(dy)                                  # warm-up: allocator, kernel selection
@@ -105,7 +105,7 @@ def choose_kernel(requested: str, x: torch.Tensor, w1: torch.Tensor, w2: torch.T
     """'grouped_mm' or 'loop' for a call of the experts on x (see the module docstring)."""
     if requested == "loop":
         return "loop"
-    if not grouped.available():
+    if not grouped_mm_available():
         if requested == "grouped_mm":
             raise RuntimeError(f"--moe-expert-kernel=grouped_mm: torch {torch.__version__} has no grouped GEMM "
                                f"(torch.nn.functional.grouped_mm); use --moe-expert-kernel=loop or auto")

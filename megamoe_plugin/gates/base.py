@@ -42,7 +42,7 @@ import torch.nn.functional as F
 
 from ..config import MoEConfig
 from ..parallel import ExpertParallel
-from . import balance as B
+from .balance import all_reduce_sum, expert_counts, group_size, sequence_prob_sums, switch_loss, z_loss
 from .capacity import (apply_capacity, capacity_from_factor, capacity_mask_counts,  # noqa: F401  (re-exported)
                        masked_expert_ids)
 from .scores import (aux_loss_scores, combine_weights, expert_scores, quantile_select, sinkhorn_select, topk_ids)
@@ -210,12 +210,12 @@ class Gate(nn.Module):
         """The aux_loss term: Switch's loss on the assignments ``ids`` (the router's top-k, or the gate's own
         choice when ``balance_on_choice``), counts summed over ``seq_group``."""
         counts, total = self.group_counts(ids, valid)
-        return B.switch_loss(scores.sum(0), counts, total, ids.shape[1], self.num_experts, coeff)
+        return switch_loss(scores.sum(0), counts, total, ids.shape[1], self.num_experts, coeff)
 
     def group_counts(self, ids: torch.Tensor, valid: Optional[torch.Tensor]):
         """(assignments per expert summed over ``seq_group``, the group's token count behind them)."""
-        counts = B.all_reduce_sum(B.expert_counts(ids, self.num_experts, valid), self.seq_group)
-        return counts, self._group_tokens(counts, ids.shape[1], valid, ids.shape[0] * B.group_size(self.seq_group))
+        counts = all_reduce_sum(expert_counts(ids, self.num_experts, valid), self.seq_group)
+        return counts, self._group_tokens(counts, ids.shape[1], valid, ids.shape[0] * group_size(self.seq_group))
 
     # --- shared ------------------------------------------------------------------------------------------------
     def logits(self, x: torch.Tensor) -> torch.Tensor:
@@ -241,7 +241,7 @@ class Gate(nn.Module):
         learning = self.training and torch.is_grad_enabled() and x.shape[0] > 0
         aux = {}
         if learning and cfg.z_loss_coeff > 0:
-            aux["z"] = B.z_loss(logits, cfg.z_loss_coeff / B.group_size(self.seq_group), padding)
+            aux["z"] = z_loss(logits, cfg.z_loss_coeff / group_size(self.seq_group), padding)
         scores = expert_scores(logits, cfg.score_function)
         if self.routing_rule == "sinkhorn":
             ids, weights = sinkhorn_select(logits, self.top_k, self.training)
@@ -289,26 +289,26 @@ class Gate(nn.Module):
         sequence's token count is the group's tokens / sequences (megatron-core's, for equal lengths)."""
         seq_of = batch.sequence_of if batch is not None else None
         S = batch.num_sequences if seq_of is not None else 1
-        counts = B.all_reduce_sum(B.expert_counts(ids, self.num_experts, valid, seq_of, S).view(S, -1),
+        counts = all_reduce_sum(expert_counts(ids, self.num_experts, valid, seq_of, S).view(S, -1),
                                   self.seq_group)
-        total = self._group_tokens(counts, ids.shape[1], valid, ids.shape[0] * B.group_size(self.seq_group)) / S
-        prob_sums = B.sequence_prob_sums(scores, seq_of, S)
-        return B.switch_loss(prob_sums, counts, total, ids.shape[1], self.num_experts, coeff) / S
+        total = self._group_tokens(counts, ids.shape[1], valid, ids.shape[0] * group_size(self.seq_group)) / S
+        prob_sums = sequence_prob_sums(scores, seq_of, S)
+        return switch_loss(prob_sums, counts, total, ids.shape[1], self.num_experts, coeff) / S
 
     def _global_loss(self, scores, ids, valid, coeff):
         """global_aux_loss: counts over ``batch_group``, averaged over this global batch's micro-batches so far."""
-        counts = B.all_reduce_sum(B.expert_counts(ids, self.num_experts, valid), self.batch_group)
+        counts = all_reduce_sum(expert_counts(ids, self.num_experts, valid), self.batch_group)
         self.global_tokens_per_expert += counts
         self.ga_steps += 1
-        total = self._group_tokens(counts, ids.shape[1], valid, ids.shape[0] * B.group_size(self.batch_group))
-        return B.switch_loss(scores.sum(0), self.global_tokens_per_expert / self.ga_steps, total, ids.shape[1],
+        total = self._group_tokens(counts, ids.shape[1], valid, ids.shape[0] * group_size(self.batch_group))
+        return switch_loss(scores.sum(0), self.global_tokens_per_expert / self.ga_steps, total, ids.shape[1],
                              self.num_experts, coeff)
 
     def _quantile_choice(self, logits: torch.Tensor) -> torch.Tensor:
         """Quantile balancing's choice on the logits of the whole ``seq_group`` (a sequence's tokens together);
         in training its quantiles accumulate for the once-per-global-batch bias update."""
         update = self.training and torch.is_grad_enabled()
-        size = B.group_size(self.seq_group)
+        size = group_size(self.seq_group)
         with torch.no_grad():
             local = logits.detach().float().contiguous()
             full = local

@@ -58,7 +58,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from . import balance as B
+from .balance import all_reduce_sum, group_size, switch_loss
 from .base import Gate
 from .registry import register_gate
 
@@ -148,7 +148,7 @@ class TopologyAwareGate(Gate):
 
     def set_reduction_groups(self, seq_group=None, batch_group=None) -> None:
         super().set_reduction_groups(seq_group, batch_group)
-        if self.steer_by_bias and B.group_size(seq_group) > 1:
+        if self.steer_by_bias and group_size(seq_group) > 1:
             self.rank_target.copy_(self._sender_row(dist.get_process_group_ranks(seq_group)))
 
     @torch.no_grad()
@@ -167,7 +167,7 @@ class TopologyAwareGate(Gate):
         ``seq_group`` when it has several ranks)."""
         if not self.steer_by_bias:
             return
-        n = B.all_reduce_sum(self.sender_tokens, self.seq_group)
+        n = all_reduce_sum(self.sender_tokens, self.seq_group)
         # nothing sent: the sign is 0 everywhere and the bias stays (no host read)
         self.sender_bias.add_(torch.sign(self.rank_target * n.sum() - n) * self.cfg.router_bias_update_rate)
         self.sender_bias.sub_(self.sender_bias.mean())
@@ -251,4 +251,4 @@ class TopologyAwareGate(Gate):
             weight = (1.0 / self.num_experts) / ((1.0 - r) / self.num_experts + r * self.target)
             if self.training:
                 self.warmup_calls.add_(1)
-        return B.switch_loss(scores.sum(0), counts, total, ids.shape[1], self.num_experts, coeff, weight)
+        return switch_loss(scores.sum(0), counts, total, ids.shape[1], self.num_experts, coeff, weight)
