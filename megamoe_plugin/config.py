@@ -14,6 +14,7 @@ from typing import Any, Iterator, Optional
 
 from .config_router import parse_balancing, validate_router
 from .gate_registry import gate_class, registered_gates
+from .topology import Topology
 
 
 class ConfigError(ValueError):
@@ -531,7 +532,6 @@ class MoEConfig:
 
     def build_topology(self):
         """The Topology of the job's ranks: from --moe-topology if given, else from the launcher's environment."""
-        from .topology import Topology
 
         bw = _floats(self.topology_bandwidth_gbps, "topology_bandwidth_gbps")
         lat = _floats(self.topology_latency_us, "topology_latency_us")

@@ -16,6 +16,7 @@ What is refused, and why (a refused value names its flag):
 from __future__ import annotations
 
 from typing import Callable, List, Optional, Tuple
+from .gate_registry import gate_class
 
 BALANCE_LOSSES = ("aux_loss", "seq_aux_loss", "global_aux_loss")
 BALANCE_ROUTINGS = ("sinkhorn", "quantile_balancing")
@@ -105,7 +106,6 @@ def _validate_groups(cfg, bad) -> None:
         bad("num_groups" if cfg.num_groups < 0 else "group_topk", "must be >= 0 (0 = no group-limited routing)")
     if not cfg.num_groups and not cfg.group_topk:
         return
-    from .gate_registry import gate_class
     if getattr(gate_class(cfg.gate), "derives_groups", False):
         return                         # the gate's groups are the topology's nodes (its validate_config)
     if not cfg.group_topk or not cfg.num_groups:

@@ -26,6 +26,7 @@ from typing import Dict, List, Optional
 
 import torch
 import torch.distributed as dist
+from .placement.optim_state import param_state_tensors
 
 
 
@@ -98,7 +99,6 @@ class GateSync:
 # --- checkpoints: every rank's gate ------------------------------------------------------------------------------
 def rank_state(model, optimizer=None, names: Optional[Dict[int, str]] = None) -> Dict[str, torch.Tensor]:
     """This rank's gate parameters and the optimizer state tensors shaped like them (``name``, ``name/<i>``)."""
-    from .placement.optim_state import param_state_tensors
 
     names = names or _names(model)
     out = {}
@@ -153,7 +153,6 @@ def rank_state_for(states: List[Dict[str, torch.Tensor]], rank: int, world: int)
 @torch.no_grad()
 def load_rank_state(model, state: Dict[str, torch.Tensor], optimizer=None) -> None:
     """Write a ``rank_state`` back into this rank's gates (and their optimizer state)."""
-    from .placement.optim_state import param_state_tensors
 
     names = _names(model)
     for p in gate_params(model):

@@ -39,14 +39,21 @@ def _modules(root=ROOT):
 MODULES = _modules()
 
 
-def _imports(module, path, modules=None, pkg=PKG):
+def _imports(module, path, modules=None, pkg=PKG, load_order=False):
     """Project modules imported anywhere in the file (top level, functions, classes, try blocks). ``from . import
-    x`` counts as importing the package too: it reads the package's namespace, which its __init__ fills."""
+    x`` counts as importing the package too: it reads the package's namespace, which its __init__ fills.
+
+    ``load_order``: what Python runs when the module is loaded, for the cycle check: importing ``a.b.m`` from
+    outside package ``a.b`` runs ``a.b``'s __init__ first (an edge to it), and a function-local import whose line
+    says why in a comment (the sanctioned way to break a load-order cycle) is not run at load time (no edge)."""
     modules = MODULES if modules is None else modules
     is_pkg = path.endswith("__init__.py")
     base = module.split(".") if is_pkg else module.split(".")[:-1]
     with open(path) as f:
-        tree = ast.parse(f.read(), path)
+        src = f.read()
+    tree, lines = ast.parse(src, path), src.split("\n")
+    deferred = {id(n) for fn in ast.walk(tree) if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef))
+                for n in ast.walk(fn) if isinstance(n, (ast.Import, ast.ImportFrom))}
     found = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
@@ -60,15 +67,26 @@ def _imports(module, path, modules=None, pkg=PKG):
             names = [f"{prefix}.{a.name}" for a in node.names] + [prefix]
         else:
             continue
+        if load_order and id(node) in deferred and "#" in lines[node.lineno - 1]:
+            continue
         for name in names:
             while name and name not in modules:
                 name = name.rpartition(".")[0]
-            if (name == pkg or name.startswith(pkg + ".")) and name != module:
-                found.add(name)
+            if not (name == pkg or name.startswith(pkg + ".")) or name == module:
+                continue
+            found.add(name)
+            if load_order:
+                # the packages around the imported module that this module is not already inside
+                parts = name.split(".")
+                for i in range(1, len(parts)):
+                    ancestor = ".".join(parts[:i])
+                    if ancestor in modules and not (module == ancestor or module.startswith(ancestor + ".")):
+                        found.add(ancestor)
     return found
 
 
 GRAPH = {m: _imports(m, p) for m, p in MODULES.items()}
+LOAD_ORDER = {m: _imports(m, p, load_order=True) for m, p in MODULES.items()}
 
 
 def _layer(module):
@@ -106,7 +124,7 @@ def _cycles(graph=None):
     """Strongly connected components of more than one module (Tarjan). A package's __init__ counts like any
     module: when it re-exports a submodule that imports the package back (``from . import x``, ``from ..pkg import
     name``), that is a cycle, resolved only by the order Python happens to load them in."""
-    edges = GRAPH if graph is None else graph
+    edges = LOAD_ORDER if graph is None else graph
     index, low, stack, on, out = {}, {}, [], set(), []
     counter = [0]
 
@@ -162,6 +180,27 @@ def test_the_checker_sees_a_cycle_through_a_package_init(tmp_path):
     assert _cycles(graph) == []
 
 
+def test_the_checker_sees_a_load_order_cycle_through_another_package(tmp_path):
+    """pkg.a.m imports pkg.b.s (a module): loading it runs pkg.b's __init__, which imports pkg.b.t, which imports
+    pkg.a.m back: a cycle at load time though no module imports a package by name. A function-local import with its
+    reason commented breaks it."""
+    root = tmp_path / "pkg"
+    for sub in ("a", "b"):
+        (root / sub).mkdir(parents=True)
+    (root / "__init__.py").write_text("")
+    (root / "a" / "__init__.py").write_text("")
+    (root / "a" / "m.py").write_text("from ..b.s import S\nM = 1\n")
+    (root / "b" / "__init__.py").write_text("from . import t\n")
+    (root / "b" / "s.py").write_text("S = 2\n")
+    (root / "b" / "t.py").write_text("from ..a.m import M\n")
+    modules = _modules(str(root))
+    graph = {m: _imports(m, p, modules, "pkg", load_order=True) for m, p in modules.items()}
+    assert _cycles(graph) == [["pkg.a.m", "pkg.b", "pkg.b.t"]]
+    (root / "b" / "t.py").write_text("def f():\n    from ..a.m import M  # load order: pkg.a.m imports pkg.b\n")
+    graph = {m: _imports(m, p, modules, "pkg", load_order=True) for m, p in modules.items()}
+    assert _cycles(graph) == []
+
+
 def test_the_checker_sees_deferred_imports(tmp_path):
     # the contract must fail on an import hidden inside a function
     src = tmp_path / "m.py"
@@ -173,3 +212,24 @@ def test_the_checker_sees_deferred_imports(tmp_path):
 @pytest.mark.parametrize("module", [f"{PKG}.dispatch.plan", f"{PKG}.layer"])
 def test_core_hot_path_modules_exist(module):
     assert module in MODULES
+
+
+def test_core_and_features_import_their_own_modules_at_the_top():
+    """A function-local import of the package's own modules in the core or the features hides a dependency from
+    the reader; allowed only with a comment on its line saying why (an optional dependency, a real load-order
+    problem)."""
+    hidden = []
+    for m, path in MODULES.items():
+        if m == PKG or _layer(m) not in ("core", "features"):
+            continue
+        with open(path) as f:
+            src = f.read()
+        lines = src.split("\n")
+        for fn in ast.walk(ast.parse(src)):
+            if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            for node in ast.walk(fn):
+                if isinstance(node, ast.ImportFrom) and (node.level or (node.module or "").startswith(PKG)) \
+                        and "#" not in lines[node.lineno - 1]:
+                    hidden.append(f"{path}:{node.lineno}: {lines[node.lineno - 1].strip()}")
+    assert not hidden, "\n".join(hidden)

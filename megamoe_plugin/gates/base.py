@@ -46,6 +46,7 @@ from .balance import all_reduce_sum, expert_counts, group_size, sequence_prob_su
 from .capacity import (apply_capacity, capacity_from_factor, capacity_mask_counts,  # noqa: F401  (re-exported)
                        masked_expert_ids)
 from .scores import (aux_loss_scores, combine_weights, expert_scores, quantile_select, sinkhorn_select, topk_ids)
+from ..config import ConfigError, flag
 
 _ROUTER_DTYPES = {"fp32": torch.float32, "fp64": torch.float64}
 
@@ -168,7 +169,6 @@ class Gate(nn.Module):
     def validate_config(cls, cfg: MoEConfig) -> None:
         """Raise ``ConfigError`` (naming the flag) for options this gate cannot work with; no topology, no
         environment (``MoEConfig.validate`` calls it)."""
-        from ..config import ConfigError, flag
         if cls.fixed_top_k is not None and cfg.top_k != cls.fixed_top_k:
             raise ConfigError(f"{flag('top_k')}={cfg.top_k!r}: the {cfg.gate} gate routes each token to "
                               f"{cls.fixed_top_k} expert{'s' if cls.fixed_top_k > 1 else ''}; use {flag('top_k')}="

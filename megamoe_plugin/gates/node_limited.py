@@ -27,6 +27,7 @@ import torch
 
 from .base import Gate, expert_nodes
 from .registry import register_gate
+from ..config import ConfigError, flag
 
 
 @register_gate("node_limited")
@@ -61,7 +62,6 @@ class NodeLimitedGate(Gate):
     @classmethod
     def validate_config(cls, cfg) -> None:
         super().validate_config(cfg)
-        from ..config import ConfigError, flag
         if cfg.num_groups:
             raise ConfigError(f"{flag('num_groups')}={cfg.num_groups}: --moe-gate {cfg.gate} takes its groups from "
                               f"the topology's nodes (--moe-topology or the launcher's LOCAL_WORLD_SIZE); leave it 0")
@@ -71,7 +71,6 @@ class NodeLimitedGate(Gate):
 
     @classmethod
     def check_options(cls, cfg, topology) -> List[str]:
-        from ..config import ConfigError, flag
         nodes = topology.node_ids()
         per_rank = cfg.num_experts / max(topology.num_ranks, 1)
         sizes = sorted(nodes.count(n) * per_rank for n in set(nodes))

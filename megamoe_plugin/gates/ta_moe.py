@@ -61,6 +61,7 @@ import torch.distributed as dist
 from .balance import all_reduce_sum, group_size, switch_loss
 from .base import Gate
 from .registry import register_gate
+from ..config import ConfigError, flag
 
 
 def target_dispatch_pattern(topology, exchange_bytes: float = 64e6, smoothing: float = 0.0,
@@ -191,7 +192,6 @@ class TopologyAwareGate(Gate):
     @classmethod
     def validate_config(cls, cfg) -> None:
         super().validate_config(cfg)
-        from ..config import ConfigError, flag
         if cfg.ta_moe_later_choice_bias > 0 and cfg.top_k < 2:
             raise ConfigError(f"{flag('ta_moe_later_choice_bias')}={cfg.ta_moe_later_choice_bias}: steers the "
                               f"choices after the first, and {flag('top_k')}={cfg.top_k} has none; use top-k >= 2 "
@@ -208,7 +208,6 @@ class TopologyAwareGate(Gate):
 
     @classmethod
     def check_options(cls, cfg, topology):
-        from ..config import ConfigError, flag
         if cfg.balance_coeff("aux_loss") <= 0 and not cfg.router_expert_bias:
             raise ConfigError(f"{flag('gate')}=ta_moe steers the dispatch only through its topology-aware loss (the "
                               f"aux_loss of {flag('load_balancing_type')}), and {flag('aux_loss_coeff')}="

@@ -57,6 +57,10 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from ..experts import ExpertBank
+from ..gates.base import Gate
+from ..layer import find_moe_layers
+from ..placement.eplb import eplb_table
 
 __all__ = ["PLACEMENT_SCHEMA", "PlacementFileError", "PlacementFile", "layer_loads", "shares",
            "identity_placement", "greedy_placement", "anticorrelation_placement", "eplb_placement", "device_shares", "max_load",
@@ -166,7 +170,6 @@ def anticorrelation_placement(loads, num_devices: int, weight: float = 0.5) -> L
 
 def eplb_placement(loads, num_devices: int, nodes: int = 1) -> List[int]:
     """DeepSeek's EPLB placement without redundant experts (module docstring): device_of_expert [E]."""
-    from ..placement.eplb import eplb_table
     E = _loads(loads).shape[1]
     per = _check_split(E, num_devices)
     if nodes < 1 or num_devices % nodes:
@@ -341,8 +344,6 @@ def read_placement_file(path: str, num_experts: Optional[int] = None) -> Placeme
 def _parts(layer):
     """(gate, bank, plan) of a core MoELayer, a Megatron PluginMoELayer (router.gate, experts.bank) or a module
     wrapping one in ``.moe`` (fairseq's FairseqMoEFFN). Detected by attributes (no framework import)."""
-    from ..experts import ExpertBank
-    from ..gates.base import Gate
 
     if not isinstance(getattr(layer, "gate", None), Gate) and isinstance(getattr(layer, "moe", None), nn.Module):
         layer = layer.moe
@@ -451,7 +452,6 @@ def apply_expert_permutation(layer: nn.Module, perm: Sequence[int]) -> None:
 
 def moe_layers_by_id(model: nn.Module) -> Dict[int, nn.Module]:
     """{layer id: layer} of the model's MoE layers (``layer.find_moe_layers``), the ids a routing trace records."""
-    from ..layer import find_moe_layers
 
     out = {}
     for m in find_moe_layers(model):

@@ -50,6 +50,7 @@ import torch.nn as nn
 from ..config import ConfigError, flag
 from ..experts import ExpertBank, _act_into, _bounds, _lanes_for, _mm_into, _run_groups, _use_onednn
 from .eviction import POLICIES, ExpertSlotCache
+from ..dispatch.plan import DispatchPlan
 
 _NAMES = ("w1", "w2", "b1", "b2")
 _SIZE_FLAG = flag("expert_cache_size")
@@ -288,7 +289,6 @@ class ExpertBuffer:
 # --- model-level switches -------------------------------------------------------------------------------------------
 def _check_model(model: nn.Module) -> None:
     """Paths that read the bank's weights without calling it cannot be buffered: refuse them up front."""
-    from ..dispatch.plan import DispatchPlan
     for m in model.modules():
         plan = getattr(m, "plan", None)
         if not isinstance(plan, DispatchPlan):

@@ -45,6 +45,7 @@ import os
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import numpy as np
+from .eviction import ExpertSlotCache
 
 __all__ = ["POLICIES", "activity", "layer_placements", "access_sequences", "simulate", "simulate_counts",
            "belady_misses", "online_misses", "miss_curve", "format_miss_table", "plot_miss_curve"]
@@ -176,7 +177,6 @@ def _pop_farthest(heap, resident, batch) -> int:
 
 
 def _slot_cache_class():
-    from .eviction import ExpertSlotCache       # written alongside (eviction.py); imported on first use
     return ExpertSlotCache
 
 

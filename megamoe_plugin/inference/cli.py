@@ -15,6 +15,9 @@ import os
 import re
 import sys
 from typing import List, Optional, Sequence
+from ..stats import load_trace
+from .balance import PlacementFileError, evaluate_placements, layer_loads, perm_to_placement, placement_to_perm, read_placement_file, write_placement_file
+from .cache_sim import POLICIES, format_miss_table, miss_curve, plot_miss_curve
 
 __all__ = ["main", "cache_sim_main", "balance_main", "parse_sizes"]
 
@@ -40,7 +43,6 @@ def parse_sizes(text: str) -> List[int]:
 
 
 def _load(p: argparse.ArgumentParser, path: str, max_steps: Optional[int]) -> dict:
-    from ..stats import load_trace
     m = re.fullmatch(r"(.*)\.rank\d+", path)
     if m and not os.path.exists(path + ".rank0"):
         path = m.group(1)                      # a shard's path was given: its trace is the prefix
@@ -73,7 +75,6 @@ def _check_devices(p: argparse.ArgumentParser, devices: int, E: int) -> None:
 
 
 def cache_sim_main(argv: Optional[Sequence[str]] = None) -> int:
-    from .cache_sim import POLICIES, format_miss_table, miss_curve, plot_miss_curve
 
     p = argparse.ArgumentParser(
         prog="megamoe cache-sim", allow_abbrev=False,
@@ -117,7 +118,6 @@ def cache_sim_main(argv: Optional[Sequence[str]] = None) -> int:
     layer_ids = [trace["layers"][i] for i in positions]
     placement = None
     if args.placement_file:
-        from .balance import PlacementFileError, perm_to_placement, read_placement_file
         try:
             pf = read_placement_file(args.placement_file, E)
         except PlacementFileError as err:
@@ -149,7 +149,6 @@ METHODS = ("best", "greedy", "anticorrelation", "eplb", "identity")
 
 
 def balance_main(argv: Optional[Sequence[str]] = None) -> int:
-    from .balance import evaluate_placements, layer_loads, placement_to_perm, write_placement_file
 
     p = argparse.ArgumentParser(
         prog="megamoe balance", allow_abbrev=False,

@@ -25,6 +25,8 @@ from typing import Callable, Dict, List, Optional
 import torch.nn as nn
 
 from ..config import ConfigError, MoEConfig, flag
+from .balance import apply_placement_file
+from .buffering import enable_expert_buffering
 
 __all__ = ["inference_flags_set", "refuse_in_training", "prepare_for_inference"]
 
@@ -55,8 +57,6 @@ def prepare_for_inference(model: nn.Module, cfg: MoEConfig, log: Optional[Callab
     """Apply ``--moe-placement-file`` then ``--moe-expert-cache-size`` to `model` (module docstring); returns what
     was done: permuted layer ids, buffers, device bytes of the expert slots vs all experts. `strict`: every layer
     of the placement file must be in `model` (pass False on a pipeline stage)."""
-    from .balance import apply_placement_file
-    from .buffering import enable_expert_buffering
 
     out: Dict[str, object] = {"permuted_layers": [], "buffers": []}
     if cfg.placement_file:

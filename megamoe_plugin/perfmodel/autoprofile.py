@@ -30,6 +30,8 @@ import torch
 import torch.distributed as dist
 
 from .profiles import HardwareProfile
+from ..topology import Topology
+from .calibrate import LayerCase, _fit_line, _timed, measure_alltoall, measure_gemm, measure_layer
 
 CACHE_ENV = "MEGAMOE_PROFILE_CACHE"
 METHOD = 2                    # the calibration's method: a profile cached by an older one is measured again
@@ -122,8 +124,6 @@ def fixed_speed_ranks() -> bool:
 
 def measure_profile(hidden: int, ffn: int, dtype: torch.dtype, device: torch.device) -> HardwareProfile:
     """Collective: the micro-benchmarks of the module docstring, a HardwareProfile of this job."""
-    from ..topology import Topology
-    from .calibrate import measure_alltoall, measure_gemm
 
     world = _world()
     group = dist.group.WORLD if world > 1 else None
@@ -148,7 +148,6 @@ def measure_profile(hidden: int, ffn: int, dtype: torch.dtype, device: torch.dev
     a2a = measure_alltoall(group, sizes=(1 << 12, 1 << 16), iters=2, device=device)
     bcast_bw, bcast_lat = measure_broadcast(group, hidden * ffn * 2 * torch.tensor([], dtype=dtype).element_size(),
                                             device)
-    from .calibrate import LayerCase, measure_layer
     overhead, _ = measure_layer(LayerCase(64, 64, world, 16, top_k=1), group, iters=2, device=device)
     local = topo.ranks_per_node()
     multi = topo.depth >= 2 and world > local
@@ -168,7 +167,6 @@ def measure_profile(hidden: int, ffn: int, dtype: torch.dtype, device: torch.dev
 def measure_broadcast(group, expert_bytes: int, device) -> tuple:
     """(bytes/s, latency s) of a broadcast and a reduce from rank 0 over the group, fitted on a small message and
     one expert's parameters: what a shadowed expert costs, with the collective library's real algorithm."""
-    from .calibrate import _fit_line, _timed
     xs, ys = [], []
     for nbytes in (1 << 10, max(int(expert_bytes), 1 << 12)):
         buf = torch.zeros(max(nbytes // 4, 1), device=device)

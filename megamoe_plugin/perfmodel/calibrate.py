@@ -35,6 +35,7 @@ from ..topology import Topology
 from .cost import LayerShape
 from .network import Network
 from .profiles import HardwareProfile
+from ..launch import run_processes
 
 
 # --- timing helpers -------------------------------------------------------------------------------------------------
@@ -308,7 +309,6 @@ def run_calibration(nproc: int = 2, out: Optional[str] = None, quick: bool = Fal
     import os
     import tempfile
 
-    from ..launch import run_processes
     with tempfile.TemporaryDirectory() as d:
         result = os.path.join(d, "result.json")
         run_processes(_worker, nproc, out, quick, result, threads=max(1, (os.cpu_count() or 1) // nproc),

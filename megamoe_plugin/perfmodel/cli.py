@@ -14,12 +14,16 @@ import argparse
 import importlib
 import sys
 from typing import List, Optional, Sequence
+from ..stats import load_trace
+from .cost import LayerShape
+from .profiles import PROFILES, get_profile
+from .roofline import format_points, plot_roofline, roofline_points, synthetic_counts
+from .simulate import format_steps, format_summary, simulate_trace, summarize
 
 __all__ = ["main"]
 
 
 def _profile(name: str):
-    from .profiles import get_profile
     try:
         return get_profile(name)
     except (KeyError, FileNotFoundError, ValueError) as err:
@@ -27,7 +31,6 @@ def _profile(name: str):
 
 
 def _shape(args, num_experts: int, profile):
-    from .cost import LayerShape
     bpe = args.bytes_per_element or getattr(profile, "bytes_per_element", 2)
     return LayerShape(hidden=args.hidden, ffn=args.ffn or 2 * args.hidden, num_experts=num_experts,
                       bytes_per_element=bpe)
@@ -49,7 +52,6 @@ def _add_shape_flags(p: argparse.ArgumentParser, experts_default: Optional[int])
 def _roofline(argv: List[str]) -> int:
     import torch
 
-    from .roofline import format_points, plot_roofline, roofline_points, synthetic_counts
     p = argparse.ArgumentParser(prog="megamoe perf roofline",
                                 description="FasterMoE DDL-Roofline (paper 003 §3.3, Fig. 5): predicted (R_CC, P-bar) "
                                             "of data, model and expert parallelism and FasterMoE's optimizations.")
@@ -110,7 +112,6 @@ def _roofline(argv: List[str]) -> int:
 
 def _read_trace(parser: argparse.ArgumentParser, path: str) -> dict:
     """The trace at ``path`` (shards ``path.rank<r>``), or argparse's error naming the flag and what is wrong."""
-    from ..stats import load_trace
     try:
         return load_trace(path)
     except (FileNotFoundError, ValueError) as err:       # TraceError is a ValueError
@@ -118,7 +119,6 @@ def _read_trace(parser: argparse.ArgumentParser, path: str) -> dict:
 
 
 def _simulate(argv: List[str]) -> int:
-    from .simulate import format_steps, format_summary, simulate_trace, summarize
     p = argparse.ArgumentParser(prog="megamoe perf simulate",
                                 description="Replay a routing trace through the cost model: predicted per-step "
                                             "compute / all-to-all / sync time on a profile.")
@@ -156,7 +156,6 @@ def _simulate(argv: List[str]) -> int:
 
 
 def _profiles(argv: List[str]) -> int:
-    from .profiles import PROFILES
     argparse.ArgumentParser(prog="megamoe perf profiles",
                             description="List the named hardware profiles with their numbers and sources.").parse_args(
         argv)

@@ -25,6 +25,7 @@ from typing import Dict, List, Optional
 
 from .cost import CostModel, LayerShape
 from .network import Network
+from ..topology import Topology
 
 # Fraction of the GEMM peak used as P_w (paper 003 §3.1 / §5.3: "we use 90% of the peak performance").
 GEMM_EFFICIENCY = 0.9
@@ -76,7 +77,6 @@ class HardwareProfile:
     def topology(self, world_size: Optional[int] = None):
         """Nested-list tree approximation for the gates (Hir, TA-MoE): level 1 = a node, at the intra bandwidth
         (a ring: its narrowest edge) and latency; level 2 = the network, nic bandwidth per node and latency."""
-        from ..topology import Topology
 
         nodes, g, world = self._layout(world_size)
         intra_bw = self.intra_bandwidth_gbps

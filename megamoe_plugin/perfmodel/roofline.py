@@ -80,6 +80,8 @@ from typing import Dict, List, Optional, Sequence
 import torch
 
 from ..placement.shadow import shadow_search as select_shadow_experts
+from .schedule import consecutive_groups, predict_layer_schedule
+from .simulate import contiguous_placement, remap_counts
 
 __all__ = ["r_cc", "mlp_flops", "p_bar", "p_ideal", "p_semi_ideal", "RooflinePoint", "roofline_points",
            "select_shadow_experts", "smart_schedule_time",
@@ -181,7 +183,6 @@ class RooflinePoint:
 def _groups(world_size: int, gpus_per_node: int, smart_groups: Optional[int]) -> List[List[int]]:
     """The smart schedule's groups of consecutive ranks: ``smart_groups`` of them, by default one per node when the
     workers span several whole nodes, else one per worker."""
-    from .schedule import consecutive_groups
     if smart_groups is None:
         nodes = world_size // gpus_per_node if gpus_per_node and world_size % gpus_per_node == 0 else 1
         smart_groups = nodes if nodes > 1 else world_size
@@ -194,7 +195,6 @@ def smart_schedule_time(cost, counts: torch.Tensor, groups: Sequence[Sequence[in
     the two-stream timeline of ``schedule.predict_layer_schedule`` over ``groups``, fed with the [P, P] rank
     tokens of the layer: ``CostModel.route`` of the non-shadowed experts, plus the ``shadowed`` experts' tokens
     computed where they are (as ``CostModel.shadow_layer_time``)."""
-    from .schedule import predict_layer_schedule
     c = torch.as_tensor(counts).to(torch.float64)
     if shadowed:
         local = c[:, list(shadowed)].sum(1)
@@ -224,7 +224,6 @@ def roofline_points(profile, shape, counts: torch.Tensor, *, world_size: Optiona
     """(R_CC, P-bar) points of the strategies in ``include`` (keys of ``LABELS``) for ``counts`` [..., P, E] on
     ``profile`` (see the module docstring). ``world_size`` W != P remaps the source rows (rank w uses row w % P,
     as ``simulate_trace``). ``cost_model`` / ``network`` override the profile's. All values are predictions."""
-    from .simulate import contiguous_placement, remap_counts
 
     counts = torch.as_tensor(counts)
     if counts.dim() < 2:

@@ -27,6 +27,10 @@ from __future__ import annotations
 from typing import Callable, Dict, List, Optional, Sequence, Union
 
 import torch
+from ..placement.simulate import simulate_placement
+from ..stats import load_trace
+from .cost import CostModel
+from .network import Network
 
 __all__ = ["contiguous_placement", "remap_counts", "simulate_trace", "summarize", "format_steps", "format_summary"]
 
@@ -55,7 +59,6 @@ def remap_counts(counts: torch.Tensor, world_size: int) -> torch.Tensor:
 
 def _load(trace) -> dict:
     if isinstance(trace, (str, bytes)) or hasattr(trace, "__fspath__"):
-        from ..stats import load_trace
         return load_trace(str(trace))
     if not isinstance(trace, dict) or "counts" not in trace:
         raise TypeError("trace must be a path given to load_trace or the dict it returns")
@@ -90,8 +93,6 @@ def simulate_trace(trace: Union[str, dict], profile, shape, world_size: Optional
     default = contiguous_placement(E, W) if placement_fn is None else None
     if cost_model is None:
         if topology is not None:
-            from .cost import CostModel
-            from .network import Network
             cost_model = CostModel(Network.from_topology(topology), float(profile.gemm_tflops) * 1e12, shape)
         else:
             cost_model = profile.cost_model(shape, W)
@@ -100,7 +101,6 @@ def simulate_trace(trace: Union[str, dict], profile, shape, world_size: Optional
     if planner is not None or planner_options:
         if placement_fn is not None:
             raise ValueError("give either placement_fn or a planner, not both")
-        from ..placement.simulate import simulate_placement
         return simulate_placement(counts, cost_model, planner, steps=steps, **planner_options)
     layers = list(data.get("layers", range(L)))
     out = []

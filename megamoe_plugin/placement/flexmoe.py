@@ -50,20 +50,9 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from .state import Move, PlacementState, model_state_bytes
+from .state import Move, PlacementState, model_state_bytes, resolve_cost_model
 
 __all__ = ["FlexMoEPlanner", "StaticPlanner"]
-
-
-def _resolve_cost_model(spec, cache: dict, num_ranks: int):
-    """A CostModel as given, or the one a factory ``f(num_ranks)`` builds (cached per world size)."""
-    if hasattr(spec, "layer_time"):
-        if spec.num_ranks != num_ranks:
-            raise ValueError(f"the cost model has {spec.num_ranks} ranks, the placement {num_ranks}")
-        return spec
-    if num_ranks not in cache:
-        cache[num_ranks] = spec(num_ranks)
-    return cache[num_ranks]
 
 
 class StaticPlanner:
@@ -118,7 +107,7 @@ class FlexMoEPlanner:
         self.last: dict = {}          # what the last plan() saw and predicted (for logging)
 
     def cost_model(self, num_ranks: int):
-        return _resolve_cost_model(self._cost, self._cost_cache, num_ranks)
+        return resolve_cost_model(self._cost, self._cost_cache, num_ranks)
 
     # --- the plan ----------------------------------------------------------------------------------------------
     def plan(self, state: PlacementState, counts) -> List[Move]:

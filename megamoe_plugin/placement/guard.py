@@ -84,6 +84,7 @@ import torch
 import torch.distributed as dist
 
 from ..parallel import comm_device
+from .eplb import moves_to
 from .state import PlacementError, PlacementState
 
 __all__ = ["PayoffGuard", "WAIT", "job_max", "job_max_many"]
@@ -312,7 +313,6 @@ class PayoffGuard:
         for rt, state, shadow in snapshots:
             target = [sorted(e for e in state.slots_of(r) if e is not None) for r in range(state.num_ranks)]
             try:
-                from .eplb import moves_to
                 moves = moves_to(rt.state, target, nbytes=0)
             except PlacementError:
                 moves = []                                # cannot be reached through a free slot: keep it

@@ -81,6 +81,10 @@ from .guard import WAIT, PayoffGuard, job_max_many
 from .hooks import StepContext, register_placement_policy
 from .optim_state import check_optimizer_supported
 from .runtime import apply_placement, group_cache
+from .eplb import EPLBPlanner
+from .flexmoe import FlexMoEPlanner
+from .shadow import ShadowPlanner
+from .state import PlacementState
 
 __all__ = ["EPLBPolicy", "FlexMoEPolicy", "ShadowPolicy", "global_counts"]
 
@@ -124,7 +128,6 @@ def gather_counts(runtimes, recent: bool = False):
 
 def _static_placement(rt):
     """The layer's placement without the policy: contiguous blocks of experts, one slot each, nothing shadowed."""
-    from .state import PlacementState
     return PlacementState(rt.num_experts, rt.ep.size, rt.slots_per_rank, max_replicas_per_rank=1).placement()
 
 
@@ -144,10 +147,10 @@ class _Policy:
     name = ""
 
     def __init__(self, cfg: MoEConfig):
-        from ..perfmodel.autoprofile import DriftWatch
-        from ..perfmodel.profiles import get_profile
         self.cfg = cfg
         self.profile = None                  # "auto": measured at the first run (every rank at the same step)
+        from ..perfmodel.autoprofile import DriftWatch  # load order: perfmodel.cost imports placement.state, whose package imports this module
+        from ..perfmodel.profiles import get_profile  # load order: perfmodel.cost imports placement.state, whose package imports this module
         if cfg.placement_profile != "auto":
             try:
                 self.profile = get_profile(cfg.placement_profile)
@@ -180,9 +183,9 @@ class _Policy:
         self._idle_skip = 0                           # runs still to skip after them (``_back_off``)
 
     def _cm(self, bank, num_experts: int, num_ranks: int):
-        from ..perfmodel.cost import LayerShape
         key = (bank.hidden_size, bank.ffn_hidden_size, num_experts, num_ranks, bank.w1.element_size())
         if key not in self._cost_models:
+            from ..perfmodel.cost import LayerShape  # load order: perfmodel.cost imports placement.state, whose package imports this module
             shape = LayerShape(bank.hidden_size, bank.ffn_hidden_size, num_experts,
                                bytes_per_element=bank.w1.element_size())
             self._cost_models[key] = self.profile.cost_model(shape, world_size=num_ranks)
@@ -312,11 +315,11 @@ class _Policy:
         every rank runs the policies at the same step), or again after a drift."""
         if self.profile is not None:
             return
-        from ..perfmodel.autoprofile import auto_profile
         bank = next((m.experts_bank for m in layers if getattr(m.plan, "placement", None) is not None), None)
         if bank is None:
             return
         rank0 = not dist.is_initialized() or dist.get_rank() == 0
+        from ..perfmodel.autoprofile import auto_profile  # load order: perfmodel.cost imports placement.state, whose package imports this module
         self.profile = auto_profile(bank.hidden_size, bank.ffn_hidden_size, bank.w1.dtype,
                                     refresh=self.calibrations > 0,
                                     log=(lambda t: print(f"megamoe-plugin: {t}", flush=True)) if rank0 else None)
@@ -512,7 +515,6 @@ class FlexMoEPolicy(_ReplicaPolicy):
     name = "flexmoe"
 
     def decide(self, key, cm, rt, counts):
-        from .flexmoe import FlexMoEPlanner
         if key not in self._planners:
             self._planners[key] = FlexMoEPlanner(cm, threshold=self.cfg.placement_threshold,
                                                  max_moves=self.cfg.placement_max_moves,
@@ -528,7 +530,6 @@ class ShadowPolicy(_Policy):
     name = "shadow"
 
     def decide(self, key, cm, rt, counts):
-        from .shadow import ShadowPlanner
         if key not in self._planners:
             self._planners[key] = ShadowPlanner(cm, min_gain=MIN_PREDICTED_GAIN)
         self._planners[key].min_gain = self._min_gain
@@ -542,7 +543,6 @@ class EPLBPolicy(_ReplicaPolicy):
     name = "eplb"
 
     def decide(self, key, cm, rt, counts):
-        from .eplb import EPLBPlanner
         if key not in self._planners:
             self._planners[key] = EPLBPlanner(cm, horizon=float(self.cfg.placement_every),
                                               min_gain=MIN_PREDICTED_GAIN, equal_within=MIN_PREDICTED_GAIN)

@@ -24,6 +24,8 @@ from typing import Callable, List, Optional, Tuple
 
 import torch
 
+from .state import resolve_cost_model
+
 __all__ = ["shadow_search", "select_shadow_experts", "ShadowPlanner"]
 
 
@@ -85,8 +87,7 @@ class ShadowPlanner:
         self.min_gain = min_gain
 
     def cost_model(self, num_ranks: int):
-        from .flexmoe import _resolve_cost_model
-        return _resolve_cost_model(self._cost, self._cache, num_ranks)
+        return resolve_cost_model(self._cost, self._cache, num_ranks)
 
     def plan(self, state, counts) -> List[int]:
         c = torch.as_tensor(counts).to(torch.float64)

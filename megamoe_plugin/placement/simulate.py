@@ -44,6 +44,7 @@ from typing import Dict, List, Optional, Sequence
 import torch
 
 from .state import PlacementState
+from ..stats import TRACE_SCHEMA
 
 __all__ = ["simulate_placement", "layer_metrics", "synthetic_trace", "write_trace", "capacity_counts"]
 
@@ -214,7 +215,6 @@ def write_trace(trace: dict, path: str) -> str:
     ``stats.TraceRecorder`` writes, so ``load_trace(path)`` reads it back. Returns path."""
     import os
 
-    from ..stats import TRACE_SCHEMA
     counts = torch.as_tensor(trace["counts"])
     S, L, P, E = counts.shape
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)

@@ -48,7 +48,7 @@ from typing import Iterable, List, Optional, Tuple
 
 import torch
 
-__all__ = ["Move", "PlacementState", "PlacementError", "flexible_route", "model_state_bytes", "SCHEMA"]
+__all__ = ["Move", "PlacementState", "PlacementError", "flexible_route", "model_state_bytes", "resolve_cost_model", "SCHEMA"]
 
 SCHEMA = "megamoe-placement/1"
 MOVE_KINDS = ("expand", "shrink", "migrate")
@@ -416,3 +416,14 @@ class PlacementState:
         if bool((c < 0).any()):
             raise ValueError("counts must be non-negative")
         return c
+
+
+def resolve_cost_model(spec, cache: dict, num_ranks: int):
+    """The planners' cost model: a CostModel as given, or the one a factory ``f(num_ranks)`` builds (cached per world size)."""
+    if hasattr(spec, "layer_time"):
+        if spec.num_ranks != num_ranks:
+            raise ValueError(f"the cost model has {spec.num_ranks} ranks, the placement {num_ranks}")
+        return spec
+    if num_ranks not in cache:
+        cache[num_ranks] = spec(num_ranks)
+    return cache[num_ranks]
