@@ -127,8 +127,9 @@ class MoEConfig:
                                   "or smart (FasterMoE §4.2: grouped pairwise exchange pipelined with the expert "
                                   "computation; dropless dispatch only; same outputs and gradients).", SCHEDULES)
     smart_groups: int = _opt(0, "smart schedule: number of groups n the expert-parallel ranks are split into; "
-                                "0 = one group per node of the topology (closely connected workers together); "
-                                "must divide the expert-parallel size.")
+                                "0 = one group per rank (measured faster than one per node on the emulated "
+                                "cluster); -1 = one group per node of the topology (the paper's grouping); "
+                                "n > 0 must divide the expert-parallel size.")
     # --- experts -------------------------------------------------------------------------------------------------
     expert_ffn_hidden_size: int = _opt(0, "FFN hidden size of each expert; 0 = the model's FFN hidden size.")
     activation: str = _opt("gelu", "Expert activation: gelu | relu | swiglu (silu-gated) | squared_relu "
@@ -385,9 +386,9 @@ class MoEConfig:
         if self.schedule == "smart" and self.dispatch != "dropless":
             self._bad("schedule", "the smart schedule pipelines dropless dispatch only, not capacity dispatch "
                             "(see --moe-dispatch)")
-        if self.smart_groups < 0:
-            self._bad("smart_groups", "must be >= 0 (0 = one group per node of the topology)")
-        if self.smart_groups and self.expert_parallel_size % self.smart_groups:
+        if self.smart_groups < -1:
+            self._bad("smart_groups", "must be >= -1 (0 = one group per rank, -1 = one per node of the topology)")
+        if self.smart_groups > 0 and self.expert_parallel_size % self.smart_groups:
             self._bad("smart_groups", f"must divide --moe-expert-parallel-size={self.expert_parallel_size}")
         return world
 

@@ -107,8 +107,10 @@ def _order(rank, world):
 def _two(rank, world):
     _equal_to_plain(rank, world, 2, torch.float64, "gelu", False, expect_groups=[[0], [1]])
     _equal_to_plain(rank, world, 2, torch.float32, "swiglu", True)
-    # 0 = from the topology: a single node -> one group (plain exchange, no overlap), still equal
-    _equal_to_plain(rank, world, 0, torch.float64, "relu", True, expect_groups=[[0, 1]])
+    # -1 = from the topology: a single node -> one group (plain exchange, no overlap), still equal
+    _equal_to_plain(rank, world, -1, torch.float64, "relu", True, expect_groups=[[0, 1]])
+    # 0 (the default) = one group per rank
+    _equal_to_plain(rank, world, 0, torch.float64, "gelu", False, expect_groups=[[0], [1]])
     _order(rank, world)
 
 
@@ -117,7 +119,7 @@ def _four(rank, world):
     _equal_to_plain(rank, world, 4, torch.float64, "swiglu", False, expect_groups=[[0], [1], [2], [3]])
     _equal_to_plain(rank, world, 4, torch.float32, "gelu", False)
     _equal_to_plain(rank, world, 2, torch.float32, "gelu", False)
-    _equal_to_plain(rank, world, 0, torch.float64, "gelu", False, topology="[[0,1],[2,3]]",
+    _equal_to_plain(rank, world, -1, torch.float64, "gelu", False, topology="[[0,1],[2,3]]",
                     expect_groups=[[0, 1], [2, 3]])
     _order(rank, world)
 
@@ -144,7 +146,7 @@ def test_one_rank_is_the_plain_path():
 @pytest.mark.parametrize("kwargs, flag", [
     (dict(schedule="fast"), "--moe-schedule"),
     (dict(schedule="smart", dispatch="capacity"), "--moe-schedule"),
-    (dict(smart_groups=-1), "--moe-smart-groups"),
+    (dict(smart_groups=-2), "--moe-smart-groups"),
     (dict(schedule="smart", smart_groups=3, num_experts=8, expert_parallel_size=4, world_size=4),
      "--moe-smart-groups"),
 ])
@@ -157,8 +159,10 @@ def test_invalid_schedule_options_name_the_flag(kwargs, flag):
 def test_groups_from_flag_and_topology():
     cfg = MoEConfig(num_experts=8, world_size=4, expert_parallel_size=4, schedule="smart", topology="[[0,1],[2,3]]")
     ep4 = ExpertParallel.layout(0, [0, 1, 2, 3])
+    assert schedule_groups(cfg, ep4) == [[0], [1], [2], [3]]                           # default: one per rank
+    cfg = cfg.replace(smart_groups=-1)
     assert schedule_groups(cfg, ep4) == [[0, 1], [2, 3]]                              # one group per node
-    assert schedule_groups(cfg.replace(smart_groups=4), ep4) == [[0], [1], [2], [3]]
+    assert schedule_groups(cfg.replace(smart_groups=2), ep4) == [[0, 1], [2, 3]]
     assert schedule_groups(cfg.replace(smart_groups=1), ep4) == [[0, 1, 2, 3]]
     cross = ExpertParallel.layout(0, [0, 2])          # an EP group spanning the two nodes
     assert schedule_groups(cfg.replace(expert_parallel_size=2), cross) == [[0], [1]]

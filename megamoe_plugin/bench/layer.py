@@ -261,10 +261,6 @@ def dense_mlp(x, k, F_):
     return step, 0
 
 
-def timeit(fn: Callable[[], None], repeat: int) -> float:
-    return time_interleaved({"f": fn}, repeat)["f"]
-
-
 def _minor_faults() -> int:
     """Minor page faults of this process so far (0 where getrusage is missing): a step that takes fresh pages
     from the kernel for its buffers pays one fault per 4 KiB page, about 0.1-0.2 s per GiB on these machines."""

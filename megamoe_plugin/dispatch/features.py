@@ -76,7 +76,3 @@ def build_features(plan) -> List[LayerFeature]:
             out.append(feature)
     return out
 
-
-def registered_layer_features() -> List[str]:
-    _load_builtins()
-    return list(_FACTORIES)

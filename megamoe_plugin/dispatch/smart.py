@@ -1,7 +1,8 @@
 """Smart schedule (FasterMoE paper 003 §4.2): grouped pairwise exchange pipelined with the expert computation.
 
-The expert-parallel ranks are split into n groups (``smart_groups``; 0 = one group per node of the topology, so
-closely connected workers share a group). The two all-to-alls of a dropless MoE layer and the expert computation
+The expert-parallel ranks are split into n groups (``smart_groups``: 0, the default, one group per rank, which
+pipelines the most and measured faster on the emulated cluster; -1 one group per node of the topology, the
+paper's grouping of closely connected workers). The two all-to-alls of a dropless MoE layer and the expert computation
 between them become 3n fine-grained operations. In step j = 0..n-1 a worker of group i
 
 - S_j: sends its tokens for the experts of group t = (i - j) mod n to them and receives the tokens of group
@@ -43,12 +44,12 @@ from .comm import exchange_counts, gather_rows, regroup_index, weighted_combine
 
 # --- groups --------------------------------------------------------------------------------------------------------
 def schedule_groups(cfg: MoEConfig, ep: ExpertParallel, topology=None) -> List[List[int]]:
-    """The n groups of expert-parallel ranks, in ring order. ``cfg.smart_groups`` > 0: n blocks of consecutive
-    ranks; 0: one group per node of the topology (``topology``, else ``cfg.build_topology()``), nodes in the
-    order of their first expert-parallel rank."""
+    """The n groups of expert-parallel ranks, in ring order. ``cfg.smart_groups`` 0: one group per rank; > 0: n
+    blocks of consecutive ranks; -1: one group per node of the topology (``topology``, else
+    ``cfg.build_topology()``), nodes in the order of their first expert-parallel rank."""
     P = ep.size
-    if cfg.smart_groups:
-        n = cfg.smart_groups
+    if cfg.smart_groups >= 0:
+        n = cfg.smart_groups or P
         if P % n:
             raise ConfigError(f"{flag('smart_groups')}={n}: must divide the expert-parallel size {P}")
         g = P // n

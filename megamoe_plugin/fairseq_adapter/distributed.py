@@ -96,13 +96,6 @@ def expert_params(module: torch.nn.Module) -> List[torch.nn.Parameter]:
             and not getattr(p, "megamoe_gate", False)]
 
 
-def local_gate_params(module: torch.nn.Module) -> List[torch.nn.Parameter]:
-    """Gates left out of every gradient reduction (--moe-gate-sync local / average:K): their gradient stays this
-    rank's, already on the scale fairseq's normalisation by the job's sample size expects (legacy DDP averages the
-    shared gradients over ranks before that normalisation multiplies by the world size)."""
-    return [p for p in module.parameters() if getattr(p, "megamoe_gate", False) and getattr(p, "expert", False)]
-
-
 @torch.no_grad()
 def sync_expert_grads(module: torch.nn.Module) -> None:
     """Sum expert gradients over the EDP group and divide by the DP size (see the module docstring)."""

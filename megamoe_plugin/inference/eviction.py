@@ -61,9 +61,6 @@ class ExpertSlotCache:
         """expert id -> slot index of every expert in the cache (a copy)."""
         return dict(self._where)
 
-    def slot_of(self, expert: int) -> Optional[int]:
-        return self._where.get(expert)
-
     def clear(self) -> None:
         """Forget which experts are resident (their weights changed); counters and frequencies are kept."""
         self._slots = [None] * self.size

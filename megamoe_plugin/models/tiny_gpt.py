@@ -70,10 +70,6 @@ class Block(nn.Module):
         self.ffn = ffn
         self.drop = nn.Dropout(dropout)
 
-    @property
-    def is_moe(self) -> bool:
-        return isinstance(self.ffn, MoELayer)
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.drop(self.attn(self.ln1(x)))
         return x + self.drop(self.ffn(self.ln2(x)))

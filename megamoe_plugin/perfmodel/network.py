@@ -109,10 +109,6 @@ class Network:
 
     # --- queries -----------------------------------------------------------------------------------------------
     @property
-    def num_vertices(self) -> int:
-        return self._num_vertices
-
-    @property
     def edges(self) -> List[Edge]:
         """All directed edges, in the order of ``edge_bandwidths`` and ``link_traffic_tensor``."""
         return list(self._edges)
@@ -150,10 +146,6 @@ class Network:
     def path_latency(self, src: int, dst: int) -> float:
         return sum(self._lat[self._edge_index[e]] for e in self.path(src, dst))
 
-    def path_bandwidth(self, src: int, dst: int) -> float:
-        """Bottleneck bandwidth of the route src -> dst (inf for src == dst)."""
-        return min((self._bw[self._edge_index[e]] for e in self.path(src, dst)), default=math.inf)
-
     def latency_matrix(self) -> torch.Tensor:
         """[P, P] path latency in seconds (float64, 0 on the diagonal)."""
         return self._routes()[2].clone()
@@ -179,10 +171,6 @@ class Network:
         (diagonal ignored): each pair's bytes accumulated on every edge of its path (paper 003 §3.2)."""
         loads = self.link_traffic_tensor(traffic).tolist()
         return dict(zip(self._edges, loads))
-
-    def link_times(self, traffic) -> torch.Tensor:
-        """[num_edges] T_l / W_l in seconds."""
-        return self.link_traffic_tensor(traffic) / self._routes()[4]
 
     def alltoallv_time(self, traffic) -> float:
         """Eq.2: max over links of T_l / W_l, plus the largest path latency among pairs that send anything."""

@@ -1,83 +1,30 @@
-"""The pay-off guard: a placement change is kept only when the measured steps after it are not slower than those
-before it, so a policy never loses to the placement it started from by more than the guard's margin.
+"""The pay-off guard: a placement change is kept only when the steps measured after it are not slower than those
+before it, so a policy never loses to the placement it started from by more than the guard's margin (the papers'
+planners trust their cost models; this is what keeps a model that is wrong on this machine from costing steps).
 
-The planners decide from a cost model; where the model is wrong about a cost (a replica's gradient all-reduce, a
-shadow broadcast, padding, the moves themselves), a change it predicted to pay can lose. The guard checks each change
-against the measurement that follows it. It sees every training step's duration (``observe``, from the after-step
-hook; a step beside which the trainer evaluated counts as the step before it) and compares the median step of the
-``window`` steps after a change (at least 3, or the policy's interval), plus the change's own time (the hook run
-that made it) spread over the window, with the median of the ``window`` steps before it. Medians, so a step that also ran an evaluation or a checkpoint does not decide. Until the window
-after a change is complete the policy makes no new change (``waiting``), so each verdict judges one change.
+- Each change is judged once its window of steps is complete (``check``; no new change meanwhile): the median step
+  after it, plus the change's own time spread over the window, against the median step before it, the latter moved
+  by the cost model's step difference of the OLD placement between the two windows' routing (the drift is not
+  the change's fault). Slower by more than ``margin`` plus ``undo_sigmas`` standard errors: undone (the previous
+  slot table and shadow set restored) and the policy pauses ``backoff ** strikes`` runs; within the margin: kept;
+  in between: judged again a window later, up to ``verdict_windows`` windows, then by the margin alone.
+- Away from the original placement, a watch compares the steps since it left with the ``reference`` (the median
+  of the last ``reference_steps`` steps run there) at 2, 4, 8, ... windows: slower by more than the margin (and,
+  before ``sure_windows`` windows, the noise) returns to the original placement; after ``max_returns`` returns the
+  policy stops for the run.
+- ``resolvable_gain``: the smallest saving two window medians tell apart from the job's step noise
+  (``step_noise``); the policies ask their planners for at least that much.
+- ``realisation``: the share of their predicted savings the verdicts measured (a prior of one verdict that
+  delivered its prediction, weights halving every ``realisation_half_life`` windows, at least
+  ``min_realisation``); the policies divide their planners' threshold by it.
 
-The routing moves while a change is judged (early in training it concentrates on fewer experts, and the steps
-of every placement slow down; measured at 2,048 tokens per rank: static's steps 10-20 slower than its steps 1-10,
-and FlexMoE's first change judged a loss on that alone). So the policy gives the verdict the cost model's time of
-the OLD placement on the counts of the window before the change and on those of the window after it, and the
-steps before are moved by the difference: the change is judged against what the old placement would have run.
-
-A verdict is a difference of two medians of noisy steps, so "slower" has three answers. Slower by more than
-``margin`` plus ``UNDO_SIGMAS`` standard errors of that difference (``verdict_error``, from the job's
-``step_noise``): lost. Within the margin: paid. In between: not yet known, and the change is judged again one window
-later on every step since it (the policy still makes no new change), up to ``VERDICT_WINDOWS`` windows, after which
-the margin alone decides. Measured at 2,048 tokens per rank: steps varying 7-12% from one to the next make two
-10-step medians of one placement differ by 4-7%, and against the bare 3% margin one FlexMoE run in each of two rounds
-was sent back to the start by its first verdict or the first watch, ending at 1.02-1.05x of static where the runs
-that kept their changes reached 1.15x. Keeping such a change at once (and leaving it to the watch) was measured too:
-no faster there, and it lets a change that loses a little run until the watch is sure.
-
-Lost: the change is undone (the previous slot table is restored with ``eplb.moves_to``,
-the previous shadow set put back) and the policy pauses for ``backoff ** strikes`` runs (doubling at each
-consecutive undo, at most ``max_pause``); not slower: kept, and the strikes reset. The medians and the change's
-own time are the maximum over all ranks (all-reduces), so every rank takes the same decision.
-
-Judged one by one, a chain of changes each within the margin can add up to a loss against the placement the policy
-started from (measured: FlexMoE at 512 tokens per rank, 0.89x of static with 1 of 3 changes undone), and a change
-kept on a lucky window keeps losing afterwards. So the guard also keeps the ``reference``: the median of the steps
-run under the original placement (the last ``REFERENCE_STEPS`` of them; a policy makes no change before
-``min_reference`` such steps exist). Away from the original placement it watches the median of the steps since
-the placement left it (up to the last ``4 x REFERENCE_STEPS``), at 2, 4, 8, ... windows after leaving (a growing
-sample, so the verdicts get surer and rarer), and at each pending change's verdict too, once those steps span two
-windows (one window of a few steps is too noisy to send a policy back to its start): slower than the reference by
-more than ``margin`` (and, before ``SURE_WINDOWS`` windows away, by more than ``UNDO_SIGMAS`` standard errors of
-the two medians beyond it; within them the watch looks again one window later) returns to the original placement
-(slot table and shadow set), whatever the last change did, and pauses the policy ``max_pause`` runs. The reference
-is moved for the routing's drift as a verdict's steps before are: by the model's difference between the original
-placement on the counts of the latest window and on those before the placement left it. An undo that restores an earlier change (not the original placement)
-restarts that watch on the restored placement's own steps, at 2, 4, ... windows again: its earlier steps ran on
-older routing (measured at 512 tokens per rank and 25 MB/s: after an undo at step 30 the restored placement ran
-5-8% slower than static to the end of the run, and the watch, next due at twice the steps since leaving and
-judging a median full of that placement's earlier steps, never fired). After ``max_returns`` returns the policy
-stops for the rest of the run (``stopped``): on this run its cost model predicts gains it does not deliver, and
-each further try costs steps.
-
-A verdict can only see a gain larger than the steps' own spread: ``resolvable_gain`` is the smallest saving (a
-fraction of the step) that two window medians tell apart from noise, from the spread of the steps under the original
-placement (``step_noise``, from one step to the next). The policies ask their planners for at least that much, so a change the guard could not
-verify is not made: where steps vary by 10% (the emulated cluster's ranks, sharing a host) two 10-step windows
-resolve about 8% of a step and two 3-step windows (shadowing's) about 14%; on a quiet GPU cluster (1-2%) 1-3%.
-
-The verdicts also say how much of its predicted savings the model delivers on this run: each change carries the
-saving its planner predicted (seconds per step), each verdict measures the one it got (the median step before it
-less the median after it and the change's own time), and ``realisation`` is their ratio summed over the verdicts,
-with a prior of one verdict that delivered exactly its prediction, clipped to [MIN_REALISATION, 1]. A verdict
-counts against the model only by what it measured below the prediction beyond its own standard error (two window
-medians of steps that vary by the job's ``step_noise``): where one window of steps varies by more than the
-predicted saving, a single unlucky verdict says nothing about the model (measured at 2,048 tokens per rank: steps
-varying 20% from one to the next, one shadow set undone, and the realisation fell to 0.13 for the rest of the run).
-A verdict says at worst that the model delivered none of its prediction: a loss beyond that is the undo's to repair,
-not a share of the saving (measured at 2,048 tokens per rank over 120 steps: one change undone at step 25-30, while
-the hot experts still changed from one window to the next, counted as about -1.1 of its prediction, the
-realisation fell to 0.29 and the policy, asked for a 75% gain, changed nothing for the 90 steps left). And a
-verdict's weight halves every ``REALISATION_HALF_LIFE`` windows: the routing it was measured on moves on, and a
-model refuted early must not stay refuted on the routing of a hundred steps later; a model refuted at every window
-stays low (about 0.17), since each new verdict weighs in full. The policies divide their planners' threshold by it:
-a model whose savings were refuted must predict more before the next change (measured: shadowing at 512 tokens per
-rank predicted 20-30% of the layers' time per set and the guard undid 10 of 11 sets), while a model whose savings the steps confirm keeps the threshold set by the noise alone.
+Every median and time is the maximum over the job's ranks (one all-reduce), so every rank decides the same. The
+constants are ``GuardSettings``; the measurements that set them are in docs/history/ (the guard's design notes).
 """
 from __future__ import annotations
 
 import statistics
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
@@ -87,16 +34,40 @@ from ..parallel import comm_device
 from .eplb import moves_to
 from .state import PlacementError, PlacementState
 
-__all__ = ["PayoffGuard", "WAIT", "job_max", "job_max_many"]
+__all__ = ["GuardSettings", "PayoffGuard", "WAIT", "job_max", "job_max_many"]
 
 WAIT = "wait"
-REFERENCE_STEPS = 64          # steps under the original placement the reference is the median of
-RESOLVE_SIGMAS = 2.0          # a change's predicted saving must exceed this many standard deviations of its verdict
-UNDO_SIGMAS = 1.0             # an early verdict undoes a loss only beyond the margin by this many standard errors
-VERDICT_WINDOWS = 3           # an inconclusive verdict on a change waits for up to this many windows after it
-SURE_WINDOWS = 4              # from this many windows away from the start the watch judges by the margin alone
-MIN_REALISATION = 0.05        # the lowest share of its predicted savings a model is trusted to deliver
-REALISATION_HALF_LIFE = 3     # a verdict's weight in the realisation halves every this many windows of steps
+
+
+@dataclass(frozen=True)
+class GuardSettings:
+    """The pay-off guard's constants (``PayoffGuard(**overrides)`` changes any of them)."""
+    margin: float = 0.03
+    """A change may cost this fraction of a step and still be kept (``--moe-placement-guard``; < 0: guard off)."""
+    min_steps: int = 3
+    """The shortest window of steps a verdict is a median of (else the policy's interval)."""
+    backoff: int = 2
+    """After an undo the policy pauses ``backoff ** strikes`` runs (strikes: consecutive undos)."""
+    max_pause: int = 32
+    """The longest pause, in runs, after an undo or a return to the original placement."""
+    min_reference: int = 6
+    """Steps under the original placement before a policy may make its first change."""
+    max_returns: int = 2
+    """Returns to the original placement after which the policy stops for the run."""
+    reference_steps: int = 64
+    """The reference is the median of the last this many steps under the original placement."""
+    resolve_sigmas: float = 2.0
+    """A change's predicted saving must exceed this many standard deviations of its verdict."""
+    undo_sigmas: float = 1.0
+    """An early verdict or watch undoes a loss only beyond the margin by this many standard errors."""
+    verdict_windows: int = 3
+    """An inconclusive verdict waits for up to this many windows after the change, then the margin decides."""
+    sure_windows: int = 4
+    """From this many windows away from the original placement the watch judges by the margin alone."""
+    min_realisation: float = 0.05
+    """The lowest share of its predicted savings a cost model is trusted to deliver."""
+    realisation_half_life: int = 3
+    """A verdict's weight in the realisation halves every this many windows of steps."""
 
 
 def job_max(value: Optional[float]) -> Optional[float]:
@@ -130,13 +101,15 @@ class _Change:
 
 
 class PayoffGuard:
-    """Module docstring. ``margin`` < 0 turns the guard off (every change is kept)."""
+    """Module docstring. ``margin`` < 0 turns the guard off (every change is kept); any other keyword overrides the
+    ``GuardSettings`` field of that name."""
 
-    def __init__(self, margin: float = 0.03, min_steps: int = 3, backoff: int = 2, max_pause: int = 32,
-                 min_reference: int = 6, max_returns: int = 2):
-        self.margin, self.min_steps = float(margin), int(min_steps)
-        self.backoff, self.max_pause = int(backoff), int(max_pause)
-        self.min_reference, self.max_returns = int(min_reference), int(max_returns)
+    def __init__(self, margin: Optional[float] = None, settings: GuardSettings = GuardSettings(), **overrides):
+        if margin is not None:
+            overrides["margin"] = float(margin)
+        self.settings = s = replace(settings, **overrides)
+        self.margin, self.min_steps, self.backoff, self.max_pause = s.margin, s.min_steps, s.backoff, s.max_pause
+        self.min_reference, self.max_returns = s.min_reference, s.max_returns
         self.steps: List[float] = []                  # every observed training step's duration (s), in order
         self.pending: Optional[_Change] = None
         self.strikes = self.pause = self.kept = self.undone = 0
@@ -147,8 +120,8 @@ class PayoffGuard:
         self.returned = 0                             # returns to the original placement
         self.stopped = False                          # max_returns reached: no more changes in this run
         self.at_origin = True                         # the placement is the one the run started with
-        self.origin_steps: List[float] = []           # the last REFERENCE_STEPS steps run there
-        self.away: List[float] = []                   # the last 4 x REFERENCE_STEPS steps since it left
+        self.origin_steps: List[float] = []           # the last reference_steps steps run there
+        self.away: List[float] = []                   # the last 4 x reference_steps steps since it left
         self.away_steps = 0                           # every step since the placement left it
         self._next_watch = 0                          # away_steps at which the next watch verdict falls
         self.observed = 0                             # every step observed (``steps`` keeps the recent ones)
@@ -175,10 +148,10 @@ class PayoffGuard:
                 del self.steps[:-128]
             if self.at_origin:
                 self.origin_steps.append(float(seconds))
-                del self.origin_steps[:-REFERENCE_STEPS]
+                del self.origin_steps[:-self.settings.reference_steps]
             else:
                 self.away.append(float(seconds))
-                del self.away[:-4 * REFERENCE_STEPS]
+                del self.away[:-4 * self.settings.reference_steps]
                 self.away_steps += 1
 
     def baseline(self, interval: int) -> Optional[float]:
@@ -208,7 +181,7 @@ class PayoffGuard:
         after = self.steps[change.start:]
         if len(after) < change.window:
             return WAIT
-        after = after[:VERDICT_WINDOWS * change.window]
+        after = after[:self.settings.verdict_windows * change.window]
         measured = job_max(statistics.median(after)) + change.cost_s / len(after)
         before_s = change.before_s
         if drift is not None and change.before_model_s is not None:
@@ -217,11 +190,12 @@ class PayoffGuard:
                 change.old_after_s.append(old_after)
             if change.old_after_s:                    # the old placement on the routing of every window judged
                 before_s = max(before_s + statistics.fmean(change.old_after_s) - change.before_model_s, 0.0)
-        final = len(after) >= VERDICT_WINDOWS * change.window
+        final = len(after) >= self.settings.verdict_windows * change.window
         behind = self._behind(interval, drift)
         lost = measured > before_s * (1.0 + self.margin)
-        if not behind and lost and not final and \
-                measured <= before_s * (1.0 + self.margin) + UNDO_SIGMAS * self.verdict_error(change, len(after)):
+        within_noise = measured <= before_s * (1.0 + self.margin) + \
+            self.settings.undo_sigmas * self.verdict_error(change, len(after))
+        if not behind and lost and not final and within_noise:
             self.inconclusive += 1                    # within the noise: judge again on one more window
             return WAIT
         self.pending = None
@@ -231,7 +205,7 @@ class PayoffGuard:
             self.verdicts.append((self.observed, change.window, change.predicted_s,
                                   min(change.predicted_s, max(realised, 0.0))))
             self.verdicts = [v for v in self.verdicts                   # weighs under 2 ** -20 by now
-                             if self.observed - v[0] < 20 * REALISATION_HALF_LIFE * v[1]]
+                             if self.observed - v[0] < 20 * self.settings.realisation_half_life * v[1]]
             self.judged += 1
         if not behind and not lost:
             self.kept += 1
@@ -258,7 +232,7 @@ class PayoffGuard:
 
     def _against_reference(self, interval: int, drift=None) -> Optional[bool]:
         """The job's median step since leaving the original placement against the reference: True (slower by more
-        than the margin and, before ``SURE_WINDOWS`` windows away, by more than ``UNDO_SIGMAS`` standard errors of
+        than the margin and, before ``sure_windows`` windows away, by more than ``undo_sigmas`` standard errors of
         the two medians beyond it), False (within the margin) or None (in between: not yet known). The reference
         moves by the model's difference between the original placement on the routing of now and of then (the
         routing concentrates early in training and every placement's steps slow down; without it the watch
@@ -271,14 +245,14 @@ class PayoffGuard:
         away = job_max(statistics.median(self.away))
         if away <= reference * (1.0 + self.margin):
             return False
-        if self.away_steps >= SURE_WINDOWS * self.window(interval):
+        if self.away_steps >= self.settings.sure_windows * self.window(interval):
             return True
         error = self._median_difference_error(reference, len(self.away), self.reference_n)
-        return True if away > reference * (1.0 + self.margin) + UNDO_SIGMAS * error else None
+        return True if away > reference * (1.0 + self.margin) + self.settings.undo_sigmas * error else None
 
     def _watch(self, interval: int, drift=None):
         """Away from the original placement with no change pending: at 2, 4, 8, ... windows since leaving it,
-        the median of the steps since then (up to the last 4 x REFERENCE_STEPS) against the reference; one window
+        the median of the steps since then (up to the last 4 x reference_steps) against the reference; one window
         later again when that was within the noise."""
         if self.at_origin or self.reference is None or self.origin is None:
             return None
@@ -341,7 +315,7 @@ class PayoffGuard:
         0 with the guard off or no estimate yet."""
         if not self.enabled or noise is None:
             return 0.0
-        return RESOLVE_SIGMAS * 1.25 * (2.0 ** 0.5) * noise / (2 * self.window(interval)) ** 0.5
+        return self.settings.resolve_sigmas * 1.25 * (2.0 ** 0.5) * noise / (2 * self.window(interval)) ** 0.5
 
     def verdict_error(self, change: _Change, after: Optional[int] = None) -> float:
         """The standard error (s) of one verdict's measured saving: the difference of the median of the window
@@ -356,16 +330,16 @@ class PayoffGuard:
 
     def realisation(self) -> float:
         """The share of its predicted savings the model has delivered on this run (module docstring): 1 before any
-        verdict; each verdict weighted by 2 ** -(its age in windows / REALISATION_HALF_LIFE); the same on every
+        verdict; each verdict weighted by 2 ** -(its age in windows / realisation_half_life); the same on every
         rank (the verdicts' inputs are job-wide, and every rank observes as many steps)."""
         if not self.enabled or not self.verdicts:
             return 1.0
         prior = statistics.fmean(v[2] for v in self.verdicts)
-        weights = [0.5 ** ((self.observed - at) / (REALISATION_HALF_LIFE * window))
+        weights = [0.5 ** ((self.observed - at) / (self.settings.realisation_half_life * window))
                    for at, window, _, _ in self.verdicts]
         predicted = sum(w * v[2] for w, v in zip(weights, self.verdicts))
         realised = sum(w * v[3] for w, v in zip(weights, self.verdicts))
-        return min(1.0, max(MIN_REALISATION, (realised + prior) / (predicted + prior)))
+        return min(1.0, max(self.settings.min_realisation, (realised + prior) / (predicted + prior)))
 
     def paused(self) -> bool:
         """Whether this run must not change the placement: after an undo (counts the run), before the reference

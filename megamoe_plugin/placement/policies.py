@@ -7,10 +7,9 @@ Each run, for every MoE layer of this rank (in model order):
    all-gathered over the expert-parallel group into [P, E] and summed over the expert-data-parallel group, so
    every expert-parallel group of the job plans from the same numbers and keeps the same placement (its slots are
    reduced together); in the same collective, the counts of the planners' window, the last
-   ``--moe-placement-plan-steps`` steps (``PlacementRuntime.recent``; 3 for flexmoe: measured at 2,048 tokens per
-   rank, where the hot experts changed from one 10-step interval to the next until step 40, the top-4 experts of
-   the last 2-3 steps carried 0.55-0.76 of the next 10 steps' load on the next 10 steps' own top-4, those of the
-   whole interval 0.25-0.57), from which the planners decide and their predicted saving is priced;
+   ``--moe-placement-plan-steps`` steps (``PlacementRuntime.recent``; 3 for flexmoe: the last steps' hot experts
+   predict the next interval's better than the whole interval's while the routing drifts), from which the planners
+   decide and their predicted saving is priced;
 2. the decision, deterministic, on every rank:
    * ``flexmoe``: ``FlexMoEPlanner`` (paper 001 Alg. 1-2: balance-ratio trigger ``--moe-placement-threshold``,
      Expand the hottest per-vExpert load, Shrink the coldest, keep a change only when the cost model predicts a
@@ -30,6 +29,8 @@ Each run, for every MoE layer of this rank (in model order):
 5. an idle policy backs off (``_back_off``): at the original placement, each run that changed nothing skips the
    next 1, 2, 4, ... runs (at most ``IDLE_GAP_STEPS`` steps apart), so a policy with nothing to do costs the steps
    almost nothing.
+
+The measurements behind these choices are in docs/history/ (the guard's and policies' design notes).
 
 The cost model is the hardware profile ``--moe-placement-profile`` at the expert-parallel size, with the layer's real
 shape: ``auto`` (the default) calibrates the running job's own process groups at the first run (a second or two,
@@ -86,25 +87,19 @@ from .flexmoe import FlexMoEPlanner
 from .shadow import ShadowPlanner
 from .state import PlacementState
 
-__all__ = ["EPLBPolicy", "FlexMoEPolicy", "ShadowPolicy", "global_counts"]
+__all__ = ["EPLBPolicy", "FlexMoEPolicy", "ShadowPolicy", "gather_counts"]
 
 # change the placement (shadow an expert, keep a FlexMoE plan or an EPLB table) only when the model predicts it
 # saves at least this fraction of the layer step, transfers included: the calibrated model's error on a step is
-# about 10% (docs/cluster.md), so smaller predicted gains are noise (measured: at 512 tokens per rank FlexMoE and
-# EPLB kept changes predicted to save 1-3% and lost 8-11% per step)
+# about 10% (docs/cluster.md), so smaller predicted gains are within its error
 MIN_PREDICTED_GAIN = 0.05
 IDLE_GAP_STEPS = 8            # the longest gap, in steps, between two runs of a policy that keeps changing nothing
 
 
-def global_counts(rt) -> torch.Tensor:
-    """Collective over the layer's expert-parallel (then expert-data-parallel) group: [P, E] float64 counts of the
-    training forwards since the last call, source rank x expert."""
-    return gather_counts([rt])[0]
-
-
 def gather_counts(runtimes, recent: bool = False):
-    """``global_counts`` of several layers that share their groups, in one all-gather (and one all-reduce): a
-    placement run costs two collectives however many MoE layers the model has. With ``recent``: a pair, those
+    """Collective over the layers' expert-parallel (then expert-data-parallel) group: each layer's [P, E] float64
+    counts of the training forwards since the last call, source rank x expert, all layers in one all-gather (and
+    one all-reduce): a placement run costs two collectives however many MoE layers the model has. With ``recent``: a pair, those
     and the layers' [P, E] counts of their last closed steps (``PlacementRuntime.recent``), in the same
     collectives."""
     if not runtimes:
