@@ -208,11 +208,6 @@ class MoEConfig:
                                                "asynchronously, behind the backward of the layers below, and "
                                                "complete them at the end of the backward pass (FlexMoE §4), "
                                                "instead of synchronously in the layer's backward.")
-    placement_overlap_moves: bool = _opt(False, "flexmoe / eplb / the guard's undo: send moved experts' parameter "
-                                                "and optimizer-state rows asynchronously behind the next step (the "
-                                                "parameters complete just before the layer's experts compute, the "
-                                                "optimizer state before the next optimizer step), instead of "
-                                                "blocking between steps.")
     placement_profile: str = _opt("auto", "Hardware profile whose cost model the placement policies consult: auto "
                                           "(calibrate the running job's own process groups at the first placement "
                                           "run, cached per cluster, refreshed when step times drift from the "

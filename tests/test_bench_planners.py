@@ -65,8 +65,8 @@ def test_replica_runs_take_a_spare_slot_count_policy_runs_an_interval_and_others
     assert planners.run_flags("flexmoe_overlap_spare2", 1.25) == [
         "--moe-placement", "flexmoe", "--moe-placement-overlap-sync", "--moe-placement-spare-slots", "2"]
     assert planners.run_flags("eplb", 1.25) == ["--moe-placement", "eplb"]
-    assert planners.run_flags("flexmoe_hidden_spare2_every5", 1.25) == [
-        "--moe-placement", "flexmoe", "--moe-placement-overlap-sync", "--moe-placement-overlap-moves",
+    assert planners.run_flags("flexmoe_overlap_spare2_every5", 1.25) == [
+        "--moe-placement", "flexmoe", "--moe-placement-overlap-sync",
         "--moe-placement-spare-slots", "2", "--moe-placement-interval", "5"]
     assert planners.run_flags("shadow_every3", 1.25) == ["--moe-placement", "shadow", "--moe-placement-interval", "3"]
     assert planners.run_flags("flexmoe_spare2_plan10", 1.25) == [

@@ -319,9 +319,8 @@ def test_flexmoe_moves_experts_and_checkpoint_evaluates_in_one_process(lm_data, 
     from test_fairseq_train import HELPERS, REPO
     placement = ["--moe-placement-profile", slow_profile, "--moe-placement-threshold", "1.0", "--moe-placement-interval", "1",
                  "--moe-placement-guard", "-1"]
-    # the moves run behind the next update (their transfers complete in it, and before the checkpoint reads them)
     _, out = fairseq_cli("train", lm_args(lm_data, tmp_path / "full", 5, *DIST, "--moe-placement", "flexmoe",
-                                          *placement, "--moe-placement-overlap-moves",
+                                          *placement,
                                           "--save-interval-updates", "3"), nproc=2)
     full = updates(out)
     assert sorted(full) == [1, 2, 3, 4, 5], out[-3000:]

@@ -79,10 +79,9 @@ def baseline(cache):
 @pytest.fixture(scope="module")
 def flexmoe_run(cache, profile):
     """FlexMoE with the replicas' gradient all-reduces overlapped (completed into Megatron's main_grad at the end
-    of the backward pass) and the moves' transfers behind the next iteration; the synchronous defaults run in
-    Megatron-LM's own loop (test_megatron_lm)."""
-    losses, out = run(2, [*EP2, *COMMON, *_policy("flexmoe", profile), "--moe-plugin-placement-overlap-sync",
-                          "--moe-plugin-placement-overlap-moves"], cache)
+    of the backward pass); the synchronous defaults run in Megatron-LM's own loop (test_megatron_lm)."""
+    losses, out = run(2, [*EP2, *COMMON, *_policy("flexmoe", profile), "--moe-plugin-placement-overlap-sync"],
+                      cache)
     return losses, out
 
 
@@ -119,7 +118,7 @@ def saved_after_moves(cache, profile, tmp_path_factory, flexmoe_run):
     assert live, full_out[-3000:]
     save_at = live[0]
     ck = str(tmp_path_factory.mktemp("ck") / "ck")
-    losses, out = run(2, [*EP2, *COMMON, *_policy("flexmoe", profile), "--moe-plugin-placement-overlap-moves",
+    losses, out = run(2, [*EP2, *COMMON, *_policy("flexmoe", profile), "--moe-plugin-placement-overlap-sync",
                           "--save", ck, "--save-interval", str(save_at), "--exit-interval", str(save_at)], cache)
     assert sorted(losses) == list(range(1, save_at + 1)) and "saved checkpoint" in out, out[-3000:]
     moves, replicas, _, _ = _placement_lines(out)[save_at]

@@ -86,7 +86,7 @@ def _equivalence(rank, world, steps, out_dir, extra=None):
     opt_mov = torch.optim.Adam(moved.parameters(), lr=1e-2)
     rt = moved.plan.placement
     rng = random.Random(42)
-    kinds, shadowed_steps, deferred = set(), 0, 0
+    kinds, shadowed_steps = set(), 0
     for step in range(steps):
         x, target = _data(rank, step)
         l_ref = _train_step(ref, opt_ref, x, target)
@@ -102,16 +102,11 @@ def _equivalence(rank, world, steps, out_dir, extra=None):
         moves, shadow = _random_changes(rt, rng, step)
         kinds.update(m.kind for m in moves)
         apply_placement([(rt, moves, moved.experts)], opt_mov)
-        # behind the next step, the transfers are only posted here: they complete in it
-        posted = rt._moves is not None
-        assert posted == (rt.overlap_moves and any(m.kind != "shrink" and m.src != m.dst for m in moves)), (step, moves)
-        deferred += posted
         rt.set_shadowed(shadow)
         group_cache().ensure(rt.needed_groups())     # the shadows' own group, as the policies make it
         shadowed_steps += bool(shadow)
     assert kinds == {"expand", "shrink", "migrate"}, kinds
     assert shadowed_steps > 0
-    assert deferred > 0 or not rt.overlap_moves
     assert any(rt.state.num_replicas(e) > 1 for e in range(rt.num_experts)) or rt.moves_done > 0
     # every slot holds its expert's weights and Adam state exactly as the reference holds them
     full_ref = gather_logical(ref.experts, ref.plan.placement, opt_ref)
@@ -161,8 +156,6 @@ def _load_and_eval(rank, world, out_dir, source_world):
     (2, {"schedule": "smart", "smart_groups": 2}),              # FasterMoE's pipelined exchange over the slots
     (2, {"dispatch": "capacity", "capacity_factor": 0.75}),    # the gate drops; the kept go to the replicas
     (4, {"placement_overlap_sync": True}),      # replicas' gradient all-reduces completed after the backward
-    (2, {"placement_overlap_moves": True}),     # moves' transfers completed in the next step
-    (4, {"placement_overlap_moves": True, "placement_overlap_sync": True}),
 ])
 def test_forced_moves_are_the_same_training(world, extra, tmp_path):
     run_distributed(_equivalence, world, 6 if world == 2 else 4, str(tmp_path), extra)
@@ -391,8 +384,7 @@ def _main_job(rank, world, profile, out_dir):
             "--moe-placement-profile", profile, "--moe-placement-threshold", "1.0", "--moe-placement-interval", "1",
             "--moe-placement-guard", "-1"]
     plain = train.main(tiny)
-    # the moves run behind the steps; the checkpoint written at the end waits for the last ones' transfers
-    placed = train.main(tiny + ["--moe-placement", "flexmoe", "--moe-placement-overlap-moves", "--save",
+    placed = train.main(tiny + ["--moe-placement", "flexmoe", "--save",
                                 os.path.join(out_dir, "ck")])
     assert [h["loss"] for h in placed.history] == pytest.approx([h["loss"] for h in plain.history], rel=1e-5)
     layers = placed.model.moe_layers

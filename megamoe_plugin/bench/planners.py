@@ -11,8 +11,7 @@ A real-text MoE LM whose routing skews on its own (the embedded corpus, 16 exper
   prefetch hides is the difference); ``shadow_overlap``: the same with the copies' gradient reduces behind the
   backward of the layers below (``--moe-placement-overlap-sync``); ``flexmoe``: FlexMoE vExperts;
   ``flexmoe_overlap``: the same with the replicas' gradient all-reduces behind the backward
-  (``--moe-placement-overlap-sync``); ``flexmoe_hidden``: flexmoe_overlap with the moves' transfers behind the next
-  step too (``--moe-placement-overlap-moves``: what hiding the moves buys is its difference to flexmoe_overlap);
+  (``--moe-placement-overlap-sync``);
   ``eplb``: DeepSeek's EPLB (one spare slot per rank, like FlexMoE); all with
   the default cost model (the start-up calibration of this cluster, ``--moe-placement-profile auto``);
 - ``shadow_unguarded``: shadowing with the pay-off guard off (``--moe-placement-guard -1``): what the guard's
@@ -20,7 +19,7 @@ A real-text MoE LM whose routing skews on its own (the embedded corpus, 16 exper
 - ``idle``: FlexMoE's data path (placement runtime, one spare slot per rank, per-step counts) with the policy never
   run (interval beyond the run): what having placement on costs before it decides anything.
 
-The runs with replicas (``flexmoe``, ``flexmoe_overlap``, ``flexmoe_hidden``, ``eplb``, ``idle``) also run as
+The runs with replicas (``flexmoe``, ``flexmoe_overlap``, ``eplb``, ``idle``) also run as
 ``<run>_spare<N>``: with N spare slots per rank instead of their default one (``--moe-placement-spare-slots``), to
 compare planners at equal spare slots or to see what more replicas buy. The runs with a policy also run as
 ``<run>_every<K>`` and ``<run>_plan<M>`` (in that order, after any ``_spare<N>``): the policy run every K steps
@@ -58,14 +57,14 @@ from ..cluster.launcher import run_job
 from .gates import time_to
 
 RUNS = ("static", "capacity", "shadow", "shadow_sync", "shadow_overlap", "shadow_unguarded", "flexmoe",
-        "flexmoe_overlap", "flexmoe_hidden", "eplb", "idle")
+        "flexmoe_overlap", "eplb", "idle")
 DIAGNOSTIC_RUNS = ("shadow_unguarded", "idle")          # run only when asked: they explain the others' numbers
 # these also run as <run>_spare<N>: N spare slots per rank
-REPLICA_RUNS = ("flexmoe", "flexmoe_overlap", "flexmoe_hidden", "eplb", "idle")
+REPLICA_RUNS = ("flexmoe", "flexmoe_overlap", "eplb", "idle")
 # these also run as <run>[_spare<N>][_every<K>][_plan<M>]: the policy run every K steps (--moe-placement-interval),
 # planning from the last M steps' routing (--moe-placement-plan-steps)
 POLICY_RUNS = ("shadow", "shadow_sync", "shadow_overlap", "shadow_unguarded", "flexmoe", "flexmoe_overlap",
-               "flexmoe_hidden", "eplb")
+               "eplb")
 SKEWED = ["--moe-gate", "switch", "--moe-top-k", "1", "--moe-aux-loss-coeff", "0"]
 BALANCED = ["--moe-gate", "gshard", "--moe-top-k", "2", "--moe-second-expert-policy", "all",
             "--moe-aux-loss-coeff", "0.01"]
@@ -108,8 +107,6 @@ def _base_flags(run: str, capacity_factor: float) -> List[str]:
             "shadow_unguarded": ["--moe-placement", "shadow", "--moe-placement-guard", "-1"],
             "flexmoe": ["--moe-placement", "flexmoe"],
             "flexmoe_overlap": ["--moe-placement", "flexmoe", "--moe-placement-overlap-sync"],
-            "flexmoe_hidden": ["--moe-placement", "flexmoe", "--moe-placement-overlap-sync",
-                               "--moe-placement-overlap-moves"],
             "eplb": ["--moe-placement", "eplb"],
             "idle": ["--moe-placement", "flexmoe", "--moe-placement-interval", "1000000000"]}[run]
 
@@ -229,7 +226,6 @@ def read_run(run: str, out: str, batch_size: int, seed: int = 0) -> dict:
             "sync_exposure": placed[-1].get("sync_exposure") if placed else None,
             "shadow_exposure": placed[-1].get("shadow_exposure") if placed else None,
             "move_wait_total_s": max([p.get("move_wait_total_s", 0.0) for p in placed] + [0.0]),
-            "move_exposure": placed[-1].get("move_exposure") if placed else None,
             "replicas_last": placed[-1].get("replicas", 0.0) if placed else 0.0,
             "bytes_moved_last": placed[-1].get("bytes_moved", 0.0) if placed else 0.0,
             "bytes_moved_total": max([p.get("bytes_moved_total", 0.0) for p in placed] + [0.0]),
@@ -445,10 +441,8 @@ def format_results(results: dict) -> str:
                              f"rest was hidden; {(r.get('shadow_wait_s') or 0.0) * 1e3:.1f} ms per step waited, "
                              "second half)")
             if r.get("moves") and r.get("move_wait_total_s"):
-                hidden = "" if r.get("move_exposure") in (None, 1.0) else \
-                    f"; the steps waited for {r['move_exposure']:.0%} of their modelled transfer time"
                 lines.append(f"{'':>6} {'':>11} {c['routing']:<15} {r['run']}: {r['move_wait_total_s']:.2f} s "
-                             f"spent on the moves' transfers, slowest rank (blocking, or posting + waiting{hidden})")
+                             "spent on the moves' transfers, slowest rank (blocking)")
         bound = next((r["bound_speedup"] for r in c["rows"] if r.get("bound_speedup")), None)
         if bound:
             lines.append(f"{'':>6} {'':>11} {c['routing']:<15} balance bound: {bound:.2f}x of static's step "

@@ -32,12 +32,6 @@ def check_input_dtype(x: torch.Tensor, bank: "ExpertBank", where: str) -> None:
                         f"the input to {bank.w1.dtype}")
 
 
-def _complete_moves(bank: "ExpertBank", *_args) -> None:
-    """State-dict pre-hook: transfers of moved rows still in flight complete before the rows are read."""
-    if bank.placement is not None:
-        bank.placement.finish_moves()
-
-
 class ExpertBank(nn.Module):
     """The experts of one rank. ``forward(x, tokens_per_expert)`` with x sorted into contiguous groups."""
 
@@ -57,7 +51,6 @@ class ExpertBank(nn.Module):
         self.b2 = nn.Parameter(torch.zeros(num_local_experts, hidden_size, **kw)) if bias else None
         nn.init.normal_(self.w1, std=init_std)
         nn.init.normal_(self.w2, std=init_std)
-        self.register_state_dict_pre_hook(_complete_moves)   # a checkpoint reads moved rows complete
         for p in self.parameters():
             p.expert = True          # fairseq skips these in the data-parallel all-reduce
             p.allreduce = False      # Megatron reduces these over the expert-data-parallel group
@@ -79,7 +72,6 @@ class ExpertBank(nn.Module):
         replica-synchronised slots plus this step's shadow copies (placement/runtime.py)."""
         if self.placement is None:
             return [self.w1, self.w2, self.b1, self.b2]
-        self.placement.wait_moved_weights()          # rows of experts moved behind this step (placement/moves.py)
         if self.placement.trivial:
             return [self.w1, self.w2, self.b1, self.b2]
         return self.placement.expert_weights(self)

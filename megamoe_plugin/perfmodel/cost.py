@@ -18,9 +18,8 @@ Owns the per-layer cost model shared by the planners and simulators:
   and its gradients reduced (``shadow_layer_time``); ``shadow_exposure`` is the share of that broadcast + reduce a
   step waits for: 1 when both run inside the layer, less when they are prefetched between steps and reduced
   behind the layers below (measured, as ``sync_exposure``);
-* expert moves, paper 001 §3.4 "Expert Adjustment Cost": size(model states) / Bw_{g,g'} (``move_time``);
-  ``move_exposure`` is the share of it the steps wait for (``exposed_move_time``): 1 when moves block between
-  steps, less when they run behind the next step (placement/moves.py; measured, as ``sync_exposure``).
+* expert moves, paper 001 §3.4 "Expert Adjustment Cost": size(model states) / Bw_{g,g'} (``move_time``), paid
+  between two steps.
 
 Units: seconds, bytes, FLOP/s; token counts are torch tensors of any dtype (fractions allowed).
 """
@@ -101,7 +100,6 @@ class CostModel:
         self.bcast = bcast          # (bytes/s, seconds) of one measured broadcast (or reduce) over all ranks
         self.sync_exposure = 1.0    # share of the replicas' all-reduce time the step waits for (module docstring)
         self.shadow_exposure = 1.0  # share of the shadows' broadcast + reduce time the step waits for (likewise)
-        self.move_exposure = 1.0    # share of the moves' transfer time the steps wait for (likewise)
 
     def _per_rank(self, value, what) -> torch.Tensor:
         t = torch.as_tensor(value, dtype=torch.float64).reshape(-1)
@@ -146,11 +144,6 @@ class CostModel:
         """Moving an expert's model states (parameters + optimizer state: pass their bytes) src -> dst."""
         return self.network.p2p_time(nbytes, src, dst)
 
-    def exposed_move_time(self, nbytes, src, dst) -> float:
-        """The part of ``move_time`` the steps wait for (``move_exposure``): what a planner amortises."""
-        return self.move_exposure * self.move_time(nbytes, src, dst)
-
-    # --- routing -----------------------------------------------------------------------------------------------
     def placement_matrix(self, placement: Placement = None, num_experts: Optional[int] = None) -> torch.Tensor:
         """[E, P] replica multiplicity of each expert on each rank (FlexMoE vExperts: a rank may hold several).
 

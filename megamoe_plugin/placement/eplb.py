@@ -258,7 +258,7 @@ class EPLBPlanner:
                 except (PlacementError, ValueError):      # no table without two replicas of an expert on a rank
                     continue
                 after = self.cm.layer_time(self.average, state.copy().apply(moves).placement()).total
-                transfer = sum(self.cm.exposed_move_time(m.nbytes, m.src, m.dst) for m in moves
+                transfer = sum(self.cm.move_time(m.nbytes, m.src, m.dst) for m in moves
                                if m.communicates)
                 tables.append((after + transfer / self.horizon, moves, after, transfer))
             if tables:

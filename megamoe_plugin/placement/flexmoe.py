@@ -23,7 +23,7 @@ on the topology) + T_Sync (Eq. 9); see ``perfmodel.cost``):
       can be made of an expert that is not the argmax (its own expert + a replica's share), and then no
       candidate of a-c lowers the step time.
    Each candidate's score is t1 + transfer / ``horizon``, where t1 is the predicted step time after it and
-   transfer = ``CostModel.exposed_move_time(model-state bytes, src, dst)`` of its Expand / Migrate (paper 001
+   transfer = ``CostModel.move_time(model-state bytes, src, dst)`` of its Expand / Migrate (paper 001
    §3.4 "Expert Adjustment Cost", times the measured share the steps wait for; Shrink costs nothing). The best
    candidate (lowest score, first in the order above on ties) is taken and the step repeats while the balance
    ratio still exceeds the threshold (Alg. 1 lines 3-9) and the move budget lasts.
@@ -257,7 +257,7 @@ class FlexMoEPlanner:
                     new.append(trial.shrink(op[1], op[2]))
                 else:
                     new.append(trial.migrate(op[1], op[2], op[3], state_bytes=nbytes))
-            transfer = sum(cm.exposed_move_time(m.nbytes, m.src, m.dst) for m in new if m.communicates)
+            transfer = sum(cm.move_time(m.nbytes, m.src, m.dst) for m in new if m.communicates)
             t1 = self._time(cm, trial, c)
             score = t1 + transfer / self.horizon
             if best is None or score < best[0]:

@@ -14,8 +14,7 @@ class PlacementFeature(LayerFeature):
         cfg = plan.cfg
         self.runtime = PlacementRuntime(cfg.num_experts, plan.ep, cfg.slots_per_rank, edp_group=plan.edp_group,
                                         cache=group_cache(cfg.placement_group_cache),
-                                        overlap_sync=cfg.placement_overlap_sync,
-                                        overlap_moves=cfg.placement_overlap_moves)
+                                        overlap_sync=cfg.placement_overlap_sync)
 
     def map_routing(self, routing):
         slots = self.runtime.route_tokens(routing)          # also counts the call's tokens for the planners

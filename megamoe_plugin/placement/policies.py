@@ -54,11 +54,8 @@ shadowing's communication not hidden behind other work) and ``shadow_exposure`` 
 model's Eq. 8 broadcast + reduce time, the share the model now charges), ``sync_wait_s`` (seconds per step the
 backward passes' ends waited for the overlapped replica all-reduces, ``--moe-placement-overlap-sync``) and ``sync_exposure`` (that wait
 over the model's Eq. 9 time of the replicas that ran: the share of replica sync the model now charges, so
-1 - ``sync_exposure`` is the measured hidden fraction), ``move_wait_s`` (the seconds the slowest rank spent on the
-previous run's moves: blocking on them, or with ``--moe-placement-overlap-moves`` posting them and waiting for them
-in the steps after; ``move_wait_total_s`` summed over the run) and ``move_exposure`` (with overlapped moves, that
-time over the model's transfer time of the same moves, summed over runs: the share of a move's transfer the
-planners now charge, 1 - it the hidden fraction),
+1 - ``sync_exposure`` is the measured hidden fraction), ``move_wait_s`` (the seconds the slowest rank spent
+blocking on the previous run's moves; ``move_wait_total_s`` summed over the run),
 ``measured_step_s`` (wall time per optimizer step since the previous run, the whole training step),
 ``step_noise`` (the relative spread of a step under the original placement from one step to the next, the
 slowest rank's) and
@@ -157,11 +154,8 @@ class _Policy:
         self._min_gain = MIN_PREDICTED_GAIN             # what the planners must predict at this run
         self.sync_exposure = 1.0                        # share of replica sync the steps wait for (measured)
         self.shadow_exposure = 1.0                      # share of the shadows' broadcast + reduce waited for
-        self.move_exposure = 1.0                        # share of the moves' transfers waited for
         # their evidence: [seconds waited, the model's seconds], summed over runs
-        self._exposure_evidence = {"sync_exposure": [0.0, 0.0], "shadow_exposure": [0.0, 0.0],
-                                   "move_exposure": [0.0, 0.0]}
-        self._moves_modelled = 0.0                      # the model's transfer time of the last run's moves
+        self._exposure_evidence = {"sync_exposure": [0.0, 0.0], "shadow_exposure": [0.0, 0.0]}
         self._cost_models: Dict[tuple, object] = {}
         self._planners: Dict[tuple, object] = {}
         self.metrics: Dict[str, float] = {}
@@ -186,7 +180,6 @@ class _Policy:
             self._cost_models[key] = self.profile.cost_model(shape, world_size=num_ranks)
             self._cost_models[key].sync_exposure = self.sync_exposure
             self._cost_models[key].shadow_exposure = self.shadow_exposure
-            self._cost_models[key].move_exposure = self.move_exposure
         return key, self._cost_models[key]
 
     def _learn_sync_exposure(self, layers, sync_wait: Optional[float]) -> None:
@@ -222,15 +215,6 @@ class _Policy:
                 _, cm = self._cm(layer.experts_bank, rt.num_experts, rt.ep.size)
                 predicted += cm.shadow_sync_time(rt.shadowed, rt.state.multiplicity().to(torch.float64))
         self._record_exposure("shadow_exposure", shadow_wait, predicted)
-
-    def _learn_move_exposure(self, move_wait: Optional[float]) -> None:
-        """``--moe-placement-overlap-moves``: the share of the last moves' transfer time the steps waited for, the
-        slowest rank's posting + waiting over the cost model's ``move_time`` of those moves (summed over runs with
-        moves). The planners amortise a move's transfer at that share from then on; 1 until measured, and always
-        with blocking moves."""
-        modelled, self._moves_modelled = self._moves_modelled, 0.0
-        if self.cfg.placement_overlap_moves and move_wait is not None:
-            self._record_exposure("move_exposure", move_wait, modelled)
 
     def _record_exposure(self, name: str, waited: float, predicted: float) -> None:
         """Add one run's evidence to exposure ``name`` (cumulative waited over cumulative modelled, at most 1) and
@@ -388,7 +372,6 @@ class _Policy:
         all_counts, plan_counts = gathered[0]
         self._learn_sync_exposure(layers, sync_wait)
         self._learn_shadow_exposure(layers, shadow_wait)
-        self._learn_move_exposure(move_wait)
         self.total_move_wait += move_wait or 0.0
         self._min_gain = self._required_gain(layers, all_counts, every, baseline, noise)
         static_pred = plan_before = 0.0
@@ -410,7 +393,6 @@ class _Policy:
                 moves, shadow = self.decide(key, cm, rt, plan)
             decisions.append((moves, shadow))
             changes.append((rt, moves, bank))
-            self._moves_modelled += sum(cm.move_time(m.nbytes, m.src, m.dst) for m in moves if m.communicates)
             rows.append((rt, counts, dropped, before_loads, predicted, moves, shadow))
         if layers:
             _agree(layers[0].plan.placement, decisions)               # one check for every layer's plan
@@ -444,7 +426,6 @@ class _Policy:
             self.metrics["sync_exposure"] = self.sync_exposure
             self.metrics["move_wait_s"] = move_wait
             self.metrics["move_wait_total_s"] = self.total_move_wait
-            self.metrics["move_exposure"] = self.move_exposure
         if self.drift is not None and self.drift.observe(measured, self.metrics.get("predicted_step_s", 0.0)):
             self.profile = None               # the model no longer matches this cluster: measure it again
             self.drift.reset()

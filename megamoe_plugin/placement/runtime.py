@@ -24,7 +24,6 @@ expert-data-parallel gradient reduction still pairs equal slots):
 * **Moves** (``execute``): Expand / Migrate send the expert's parameter rows AND the optimizer-state rows that go
   with them (Adam moments, fp32 master weights: ``optim_state.param_state_tensors``) point-to-point src -> dst,
   between optimizer steps; Shrink (and the source of a Migrate) zeroes the freed slot, with no communication.
-  With ``overlap_moves`` the transfers are only posted there and complete in the next step (moves.py).
 
 Checkpoints: ``logical_rows`` / ``slot_experts`` let the adapters save experts by logical id whatever the
 placement and load them into any placement and expert-parallel size (checkpoint.py).
@@ -40,8 +39,7 @@ import torch
 import torch.distributed as dist
 
 from ..parallel import ExpertParallel, comm_device
-from .moves import MoveTransfer, chained, hook_optimizer, track, untrack
-from .optim_state import optimizer_levels, slot_state_views
+from .optim_state import slot_state_views
 from .state import Move, PlacementError, PlacementState
 
 __all__ = ["PlacementRuntime", "GroupCache", "SlotRouting", "apply_placement", "group_cache"]
@@ -314,12 +312,10 @@ class PlacementRuntime:
     """The placement of one MoE layer on its expert-parallel group (module docstring)."""
 
     def __init__(self, num_experts: int, ep: ExpertParallel, slots_per_rank: int, edp_group=None,
-                 cache: Optional[GroupCache] = None, overlap_sync: bool = False, overlap_moves: bool = False):
+                 cache: Optional[GroupCache] = None, overlap_sync: bool = False):
         self.ep, self.edp_group = ep, edp_group
         self.overlap_sync = bool(overlap_sync)               # replicas' gradient all-reduces behind the backward
-        self.overlap_moves = bool(overlap_moves)             # moves' transfers behind the next step (moves.py)
-        self._moves: Optional[MoveTransfer] = None           # the last moves' transfers still in flight
-        self.move_wait_s = 0.0                               # seconds spent on moves (exposed), so far
+        self.move_wait_s = 0.0                               # seconds spent on moves, so far
         self.sync_wait_s = 0.0                               # seconds the backward's end waited for them, so far
         self.shadow_reduce_wait_s = 0.0                      # and for the shadow copies' overlapped reduces
         self.num_experts, self.slots_per_rank = int(num_experts), int(slots_per_rank)
@@ -380,10 +376,9 @@ class PlacementRuntime:
 
     def needed_groups(self) -> List[Tuple[int, ...]]:
         """Global-rank tuples of the replica all-reduce groups this rank takes part in (not the whole EP group),
-        and the expert-parallel group's own copy when experts are shadowed (the prefetch's broadcasts) or moves
-        run behind the steps (their transfers)."""
+        and the expert-parallel group's own copy when experts are shadowed (the prefetch's broadcasts)."""
         groups = [ranks for _, ranks, whole in self._sync_plan_keys if not whole]
-        if (self._shadow_entries or self.overlap_moves) and self.ep.size > 1:
+        if self._shadow_entries and self.ep.size > 1:
             groups.append(tuple(self.ep.global_ranks))
         return groups
 
@@ -485,7 +480,6 @@ class PlacementRuntime:
         self.drop_prefetch()
         if not self._shadow_entries:
             return 0
-        self.wait_moved_weights()                        # the owners' rows are what the broadcasts read
         weights = [w for w in (bank.w1, bank.w2, bank.b1, bank.b2) if w is not None]
         group = self.cache.get(tuple(self.ep.global_ranks)) if self.ep.size > 1 else None
         self._prefetch = ShadowPrefetch(self._shadow_entries, weights, group, self.ep.rank)
@@ -564,39 +558,20 @@ class PlacementRuntime:
     def execute(self, moves: Sequence[Move], bank, optimizer=None) -> int:
         """Carry out ``moves`` on this rank's ``bank`` (and the optimizer state of its parameters) and apply them
         to ``state``. Every rank of the expert-parallel group calls it with the same moves, between optimizer
-        steps. With ``overlap_moves`` the transfers are only posted (moves.py); otherwise they are complete on
-        return. Returns the bytes this rank sent."""
-        self.finish_moves()
+        steps; the transfers are complete on return. Returns the bytes this rank sent."""
         start = time.perf_counter()
         params = [p for p in (bank.w1, bank.w2, bank.b1, bank.b2) if p is not None]
         for mv in moves:
             if mv.kind not in ("expand", "shrink", "migrate"):
                 raise PlacementError(f"unknown move kind {mv.kind!r}")
-        transfer = self._transfer_for(moves, optimizer)
-        sent = self._post(moves, params, optimizer, transfer) if transfer is not None else \
-            self._send_now(moves, params, optimizer)
+        sent = self._send_now(moves, params, optimizer)
         self.state.apply(moves)
         self.moves_done += len(moves)
         self.bytes_moved += sent
         self._rebuild()
-        if transfer is not None:
-            self._moves = transfer
-            track(self)
         if any(mv.sends_rows for mv in moves):
             self.move_wait_s += time.perf_counter() - start
         return sent
-
-    def _transfer_for(self, moves, optimizer) -> Optional[MoveTransfer]:
-        """A ``MoveTransfer`` for this batch when it can run behind the next step, else None (run it now)."""
-        if not (self.overlap_moves and self.ep.size > 1 and any(mv.sends_rows for mv in moves)):
-            return None
-        if chained(moves) or (optimizer is not None and not hook_optimizer(optimizer_levels(optimizer))):
-            return None
-        try:
-            group = self.cache.get(tuple(self.ep.global_ranks))
-        except PlacementError:          # its own group not made yet (apply_placement makes it)
-            return None
-        return MoveTransfer(group, lambda r: self.ep.global_ranks[r])
 
     def _send_now(self, moves, params, optimizer) -> int:
         me, sent = self.ep.rank, 0
@@ -616,44 +591,8 @@ class PlacementRuntime:
                     t.zero_()
         return sent
 
-    def _post(self, moves, params, optimizer, transfer: MoveTransfer) -> int:
-        """Post every move's parameter rows, then every move's optimizer-state rows (the order both ends use),
-        then free the sources' slots (the sends carry snapshots)."""
-        me = self.ep.rank
-        for weights in (True, False):
-            for mv in moves:
-                if not mv.sends_rows or me not in (mv.src, mv.dst):
-                    continue
-                send = me == mv.src
-                slot = mv.src_slot if send else mv.dst_slot
-                rows = [p.data[slot] for p in params] if weights else \
-                    [t for p in params for t in slot_state_views(optimizer, p, slot)]
-                transfer.post(rows, mv.dst if send else mv.src, send, weights)
-        for mv in moves:
-            if mv.kind in ("shrink", "migrate") and me == mv.src:
-                for t in self._slot_tensors(params, optimizer, mv.src_slot):
-                    t.zero_()
-        return transfer.sent
-
-    def wait_moved_weights(self) -> None:
-        """The moved experts' parameter rows are in place (before anything computes with the bank)."""
-        if self._moves is not None and self._moves.weights_pending:
-            self._moves.wait_weights()
-
-    def finish_moves(self) -> None:
-        """Every transfer of the last moves complete (parameters and optimizer state) and its wait counted."""
-        transfer, self._moves = self._moves, None
-        if transfer is None:
-            return
-        untrack(self)
-        transfer.finish()
-        self.move_wait_s += transfer.wait_s
-
     def take_move_wait(self) -> float:
-        """Seconds this rank spent on moves since the last call: blocking on them (synchronous), or posting them
-        and waiting for them in the steps after (``overlap_moves``): their exposed time."""
-        if self._moves is not None:
-            self.move_wait_s, self._moves.wait_s = self.move_wait_s + self._moves.wait_s, 0.0
+        """Seconds this rank spent blocking on moves since the last call."""
         w, self.move_wait_s = self.move_wait_s, 0.0
         return w
 
@@ -667,9 +606,7 @@ class PlacementRuntime:
 
     # --- checkpoints by logical id -----------------------------------------------------------------------------
     def slot_experts(self, rank: Optional[int] = None) -> List[Optional[int]]:
-        """Logical expert in each of ``rank``'s slots (default: this rank), None for a free slot (its rows
-        complete: a checkpoint reads them next)."""
-        self.finish_moves()
+        """Logical expert in each of ``rank``'s slots (default: this rank), None for a free slot."""
         return self.state.slots_of(self.ep.rank if rank is None else rank)
 
     def owner(self, expert: int) -> Tuple[int, int]:
@@ -679,7 +616,6 @@ class PlacementRuntime:
     def logical_rows(self) -> List[int]:
         """For every logical expert, its owner's row in the [P * slots_per_rank] concatenation of all ranks'
         banks (what an all-gather of the bank gives)."""
-        self.finish_moves()
         return self.state.logical_rows()
 
     def slot_weights(self) -> torch.Tensor:
@@ -705,11 +641,9 @@ class PlacementRuntime:
 
     def to_checkpoint(self) -> dict:
         """The placement (for a resume at the same expert-parallel size, whose bank rows are laid out by it)."""
-        self.finish_moves()
         return {"state": self.state.to_dict(), "shadowed": list(self.shadowed)}
 
     def from_checkpoint(self, d: dict) -> None:
-        self.finish_moves()
         state = PlacementState.from_dict(d["state"])
         if (state.num_experts, state.num_ranks, state.slots_per_rank) != (self.num_experts, self.ep.size,
                                                                            self.slots_per_rank):
@@ -722,7 +656,6 @@ class PlacementRuntime:
 
     def reset(self) -> None:
         """Back to contiguous blocks, nothing shadowed (for a model whose slots were just filled that way)."""
-        self.finish_moves()
         self.state = PlacementState(self.num_experts, self.ep.size, self.slots_per_rank, max_replicas_per_rank=1)
         self.shadowed = []
         self._rebuild()
@@ -733,8 +666,6 @@ def apply_placement(changes: Sequence[Tuple[PlacementRuntime, Sequence[Move], ob
     the replica groups the new placements need. Every rank calls it (with its own layers; possibly none).
     Returns the bytes this rank sent."""
     caches = {id(rt.cache): rt.cache for rt, _, _ in changes} or {id(group_cache()): group_cache()}
-    for cache in caches.values():           # the groups the transfers run on (moves.py), before they start
-        cache.ensure([g for rt, _, _ in changes for g in rt.needed_groups() if len(g) == rt.ep.size])
     sent = sum(rt.execute(moves, bank, optimizer) for rt, moves, bank in changes)
     needed = [g for rt, _, _ in changes for g in rt.needed_groups()]
     for cache in caches.values():
