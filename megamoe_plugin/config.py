@@ -228,12 +228,6 @@ class MoEConfig:
                                          "the last capacity-window steps (at least average x (1 + headroom)), and "
                                          "an expert grows as soon as that quantile exceeds its capacity, so it "
                                          "overflows in about 1 - q of the steps.")
-    capacity_rank_budget: float = _opt(0.0, "dynamic capacity: 0 = off; f > 0 = the capacities of the experts each "
-                                            "expert-parallel rank holds add up to at most the rows static capacity "
-                                            "factor f gives that rank (f x tokens x top-k / experts per expert), "
-                                            "the hottest experts capped first: at no more compute and exchanged "
-                                            "bytes per rank than static f, the slack cold experts do not need goes "
-                                            "to the hot ones.")
     capacity_window: int = _opt(32, "dynamic capacity with --moe-capacity-quantile: steps of demand history kept per "
                                     "expert.")
     capacity_smoothing: float = _opt(0.7, "dynamic capacity: weight of the past in the moving average of each "
@@ -426,11 +420,6 @@ class MoEConfig:
             self._bad("capacity_spread", "must be >= 0")
         if not 0.0 <= self.capacity_quantile < 1.0:
             self._bad("capacity_quantile", "must be in [0, 1) (0 = moving average + spread)")
-        if self.capacity_rank_budget < 0:
-            self._bad("capacity_rank_budget", "must be >= 0 (0 = no budget)")
-        if self.capacity_rank_budget > 0 and self.capacity_policy != "dynamic":
-            self._bad("capacity_rank_budget", "needs --moe-capacity-policy dynamic (static capacity is already the "
-                                              "capacity factor's rows)")
         if self.capacity_window < 2:
             self._bad("capacity_window", "must be >= 2")
         if self.capacity_hysteresis < 0:

@@ -113,27 +113,6 @@ def test_capacity_quantile_grows_an_expert_that_overflows_often_below_its_averag
         MoEConfig(capacity_quantile=1.0)
 
 
-def test_rank_budget_caps_the_hottest_experts_of_each_rank_first():
-    """4 experts on 2 ranks (2 each), top-1, calls of 100 tokens: static factor 1.0 gives each rank 2 x 25 = 50 rows.
-    Targets (headroom 0, smoothing 0, first step: the demand) 70, 5 | 20, 20: rank 0's 75 rows exceed 50, so the
-    level drops from 70 by the quantum (5) until 5 + L <= 50: L = 45; rank 1's 40 rows fit and are kept."""
-    kw = dict(headroom=0.0, smoothing=0.0, quantum=5, min_capacity=5, rank_budget=1.0, experts_per_rank=2, top_k=1)
-    pol = DynamicCapacityPolicy(4, **kw)
-    assert pol.decide(0, torch.tensor([70., 5, 20, 20]), tokens=100) == [45, 5, 20, 20]
-    # the hot expert stays short but its rank is at its budget: no recompilation
-    assert pol.decide(0, torch.tensor([70., 5, 20, 20]), tokens=100) is None
-    # without the budget the hot expert gets its demand
-    free = DynamicCapacityPolicy(4, **dict(kw, rank_budget=0.0))
-    assert free.decide(0, torch.tensor([70., 5, 20, 20]), tokens=100) == [70, 5, 20, 20]
-    # a budget of 2.0 (100 rows per rank) holds rank 0's 75
-    assert DynamicCapacityPolicy(4, **dict(kw, rank_budget=2.0)).decide(
-        0, torch.tensor([70., 5, 20, 20]), tokens=100) == [70, 5, 20, 20]
-    with pytest.raises(ConfigError, match="--moe-capacity-rank-budget"):
-        MoEConfig(capacity_rank_budget=-1.0)
-    with pytest.raises(ConfigError, match="--moe-capacity-rank-budget"):
-        MoEConfig(capacity_factor=1.0, capacity_rank_budget=2.0)        # static capacity
-
-
 def test_dynamic_config_errors_name_the_flag():
     with pytest.raises(ConfigError, match="--moe-capacity-policy"):
         MoEConfig(capacity_policy="dynamic")                   # dropless has no capacity

@@ -10,11 +10,7 @@ trained from the same data with each of:
   one static capacity factor (GShard's drop and pad);
 - ``dynamic``: ``--moe-capacity-policy dynamic`` (per-expert moving average + max(20% headroom, 2 standard
   deviations), RECOMPILE off the critical path); ``dynamic q=0.9``: each expert's capacity the 0.9-quantile of its
-  demand over the last 32 steps; ``dynamic q=0.9 B=f`` (f = 2.0, 3.0, 4.0): the same within a rank budget
-  (``--moe-capacity-rank-budget f``): each rank's experts together get at most the rows static CF=f gives the rank;
-  ``dynamic last B=f``: within the same budget, each expert's capacity 1.25 x its demand of the step before (no
-  smoothing, no hysteresis, decided before the next step: ``--moe-recompile-delta-launch 0``), for routing that
-  drifts faster than a moving average or a 32-step quantile follows;
+  demand over the last 32 steps;
 - ``dynamic+cache``: ``dynamic`` plus sample-assignment caching (§4.2; on at ``--cache-on`` of the tokens not
   reassigned over an epoch, the paper's 96%, off below ``--cache-off``, never before ``--cache-min-epoch``). It
   switches on only where the assignments converge: a small dataset over many epochs (the caching regime:
@@ -53,13 +49,6 @@ CONFIGS = {
     "CF=4.0": CAPACITY + ["--moe-capacity-factor", "4.0"],
     "dynamic": CAPACITY + ["--moe-capacity-policy", "dynamic"],
     "dynamic q=0.9": CAPACITY + ["--moe-capacity-policy", "dynamic", "--moe-capacity-quantile", "0.9"],
-    **{f"dynamic q=0.9 B={f}": CAPACITY + ["--moe-capacity-policy", "dynamic", "--moe-capacity-quantile", "0.9",
-                                           "--moe-capacity-rank-budget", f] for f in ("2.0", "3.0", "4.0")},
-    **{f"dynamic last B={f}": CAPACITY + ["--moe-capacity-policy", "dynamic", "--moe-capacity-smoothing", "0",
-                                          "--moe-capacity-spread", "0", "--moe-capacity-headroom", "0.25",
-                                          "--moe-capacity-hysteresis", "0", "--moe-capacity-min-interval", "1",
-                                          "--moe-recompile-delta-launch", "0", "--moe-capacity-rank-budget", f]
-       for f in ("2.0", "3.0", "4.0")},
     "dynamic+cache": CAPACITY + ["--moe-capacity-policy", "dynamic", "--moe-assignment-cache"],
     "dropless": [],
 }

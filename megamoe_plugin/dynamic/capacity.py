@@ -27,15 +27,6 @@ between steps, through RECOMPILE (``recompile.py``), so the shapes stay static w
   more than one flat static factor, which gives every expert the same slack. The quantile bounds each expert's
   overflow to about 1 - q of the steps whatever its demand's spread.
 
-With ``capacity_rank_budget`` f > 0, the capacities of the experts one expert-parallel rank holds add up to at most
-the rows a static factor f gives it (f x tokens x k / E per expert); where the targets exceed that, the hottest
-experts are capped first (water-filling). Under expert parallelism the busiest rank sets the step, and an expert's
-capacity that follows a hot expert's demand gives its rank more rows than any static factor would: measured on
-the emulated cluster, the dynamic policies dropped as much as CF=4.0 at a slower step. Within the budget a rank
-computes and exchanges no more rows than under static f, and the cold experts' unused padding goes to the hot ones.
-That pays only where the per-expert demand can be forecast from past steps: with a few dozen tokens per expert and
-source rank and hot experts that change within a few steps, the budgeted policies dropped more than static f.
-
 Demand is per source rank (capacity is per source rank in the capacity dispatch), maximised over the ranks of the
 job so every rank applies the same capacities. "Average capacity factor" = buffer rows / assignments (1.0 = no
 padding and nothing dropped on average).
@@ -106,14 +97,11 @@ class DynamicCapacityPolicy:
 
     def __init__(self, num_experts: int, headroom: float = 0.1, smoothing: float = 0.9, hysteresis: float = 0.25,
                  quantum: int = 8, min_capacity: int = 4, min_interval: int = 10, spread: float = 2.0,
-                 quantile: float = 0.0, window: int = 32, rank_budget: float = 0.0, experts_per_rank: int = 0,
-                 top_k: int = 1):
+                 quantile: float = 0.0, window: int = 32):
         self.num_experts, self.headroom, self.smoothing = num_experts, headroom, smoothing
         self.hysteresis, self.quantum, self.min_capacity = hysteresis, quantum, min_capacity
         self.min_interval, self.spread = min_interval, spread
         self.quantile, self.window = float(quantile), int(window)
-        self.rank_budget, self.top_k = float(rank_budget), int(top_k)
-        self.experts_per_rank = int(experts_per_rank) or num_experts
         self.history: Dict[int, torch.Tensor] = {}       # layer -> [<= window, E] recent demand (quantile mode)
         self.average: Dict[int, torch.Tensor] = {}
         self.variance: Dict[int, torch.Tensor] = {}
@@ -126,8 +114,7 @@ class DynamicCapacityPolicy:
     def from_config(cls, cfg) -> "DynamicCapacityPolicy":
         return cls(cfg.num_experts, cfg.capacity_headroom, cfg.capacity_smoothing, cfg.capacity_hysteresis,
                    cfg.capacity_quantum, cfg.min_capacity, cfg.capacity_min_interval, cfg.capacity_spread,
-                   cfg.capacity_quantile, cfg.capacity_window, cfg.capacity_rank_budget, cfg.num_local_experts,
-                   cfg.top_k)
+                   cfg.capacity_quantile, cfg.capacity_window)
 
     def state_dict(self) -> dict:
         return {"average": {k: v.clone() for k, v in self.average.items()},
@@ -161,29 +148,8 @@ class DynamicCapacityPolicy:
         return self._rounded(torch.maximum(torch.quantile(recent, self.quantile, dim=0),
                                            average * (1.0 + self.headroom)))
 
-    def within_budget(self, capacity: List[int], tokens: float) -> List[int]:
-        """``capacity`` with each rank's experts (``experts_per_rank`` consecutive ids) cut to the rank budget
-        (module docstring) for calls of ``tokens`` tokens: a level L, the largest multiple of the quantum with
-        sum(min(c, L)) <= budget, caps the hottest experts first; never below ``min_capacity``."""
-        if self.rank_budget <= 0 or tokens <= 0:
-            return capacity
-        el, q = self.experts_per_rank, self.quantum
-        budget = self.rank_budget * tokens * self.top_k / self.num_experts * el
-        out = list(capacity)
-        for start in range(0, self.num_experts, el):
-            group = out[start:start + el]
-            if sum(group) <= budget:
-                continue
-            level = max(group)
-            while level > self.min_capacity and sum(min(c, level) for c in group) > budget:
-                level = max(self.min_capacity, level - q)
-            out[start:start + el] = [min(c, level) for c in group]
-        return out
-
-    def decide(self, layer: int, demand: torch.Tensor, step: Optional[int] = None,
-               tokens: float = 0.0) -> Optional[List[int]]:
-        """New capacities for `layer` from the demand [E] of step `step` (max over source ranks), or None.
-        ``tokens``: the largest call's tokens per source rank (what the rank budget is computed from)."""
+    def decide(self, layer: int, demand: torch.Tensor, step: Optional[int] = None) -> Optional[List[int]]:
+        """New capacities for `layer` from the demand [E] of step `step` (max over source ranks), or None."""
         demand = demand.to(torch.float64)
         self.calls[layer] = self.calls.get(layer, 0) + 1
         step = self.calls[layer] if step is None else int(step)
@@ -201,7 +167,6 @@ class DynamicCapacityPolicy:
             target = self.quantile_target(layer, avg)
         else:
             target = self.target(avg, var.sqrt())
-        target = self.within_budget(target, tokens)
         current = self.capacity.get(layer)
         if current is None:
             new = target
@@ -218,7 +183,6 @@ class DynamicCapacityPolicy:
                 new = [max(c, t) if sh else c for c, t, sh in zip(current, target, short)]   # grow the short ones
             else:
                 return None
-            new = self.within_budget(new, tokens)
             if new == current:
                 return None
         self.capacity[layer] = new

@@ -118,7 +118,7 @@ class DynamicRuntime:
         if self.capacity_policy is not None:
             caps = {}
             for r in rows_used:
-                c = self.capacity_policy.decide(r, high[r, : self.E], step, tokens=float(high[r, self.E + 3]))
+                c = self.capacity_policy.decide(r, high[r, : self.E], step)
                 if c is not None:
                     caps[r] = c
             if caps:
