@@ -163,15 +163,6 @@ class MoEConfig:
                                         "L = W_net / (M * W_local) * B.")
     ta_moe_smoothing: float = _opt(0.1, "ta_moe gate: weight of the uniform pattern mixed into the target "
                                         "dispatch pattern (guards against expert isolation), in [0, 1].")
-    ta_moe_later_choice_bias: float = _opt(0.0, "ta_moe gate: strength s of the topology prior on every choice "
-                                                "after the first: choice j > 1 maximises log p_e + s * log(E * "
-                                                "c_hat_e) over the experts not yet chosen, so the first choice "
-                                                "stays the router's own and the later ones carry the traffic "
-                                                "saving (0 = off, the loss alone; needs top-k >= 2).")
-    ta_moe_warmup: int = _opt(0, "ta_moe gate: training forward calls of each MoE layer (steps x micro-batches) "
-                                 "over which the target pattern moves linearly from uniform (the GShard balance "
-                                 "loss) to the topology's, and the later-choice prior from 0 to its strength; "
-                                 "0 = the topology's target from the first step.")
     ta_moe_exchange_mb: float = _opt(64.0, "ta_moe gate: bytes (MB) a rank sends per all-to-all, used by the "
                                            "alpha-beta model that derives the target dispatch pattern.")
     # --- placement (between optimizer steps) ----------------------------------------------------------------------
@@ -347,10 +338,6 @@ class MoEConfig:
                 self._bad(name, "must be >= 0")
         if not 0.0 <= self.ta_moe_smoothing <= 1.0:
             self._bad("ta_moe_smoothing", "must be in [0, 1]")
-        if self.ta_moe_later_choice_bias < 0:
-            self._bad("ta_moe_later_choice_bias", "must be >= 0")
-        if self.ta_moe_warmup < 0:
-            self._bad("ta_moe_warmup", "must be >= 0 (0 = no warm-up)")
         if not self.hir_budget_scale > 0:
             self._bad("hir_budget_scale", "must be > 0")
         validate_router(self, self._bad)

@@ -233,11 +233,11 @@ def test_bench_gates_configs_carry_gate_options():
     assert config_flags("topk+router-expert-bias=false")[-1] == "--no-moe-router-expert-bias"
     assert config_flags("node_limited_sender")[:6] == ["--moe-gate", "node_limited_sender", "--moe-gate-sync",
                                                        "auto", "--moe-group-topk", "1"]
-    assert config_flags("ta_moe:average:50+ta-moe-later-choice-bias=1+ta-moe-smoothing=0.3") == [
-        "--moe-gate", "ta_moe", "--moe-gate-sync", "average:50", "--moe-ta-moe-later-choice-bias", "1",
+    assert config_flags("ta_moe:average:50+ta-moe-exchange-mb=32+ta-moe-smoothing=0.3") == [
+        "--moe-gate", "ta_moe", "--moe-gate-sync", "average:50", "--moe-ta-moe-exchange-mb", "32",
         "--moe-ta-moe-smoothing", "0.3"]
-    with pytest.raises(SystemExit, match="later-choice-bias"):
-        config_flags("ta_moe:local+later-choice-bias")
+    with pytest.raises(SystemExit, match="exchange-mb"):
+        config_flags("ta_moe:local+exchange-mb")
     # --train-args come after the bench's model, so argparse keeps theirs
     flags = _flags("hir", 4, 10, "/tmp/x", ["--batch-size", "16", "--seed", "2"])
     from megamoe_plugin.train import build_parser

@@ -27,9 +27,6 @@ from megamoe_plugin.gates import Gate, register_gate
     (dict(num_experts="eight"), "--moe-num-experts"),
     (dict(jitter_eps=1.5), "--moe-jitter-eps"),
     (dict(ta_moe_smoothing=2.0), "--moe-ta-moe-smoothing"),
-    (dict(ta_moe_later_choice_bias=-1.0), "--moe-ta-moe-later-choice-bias"),
-    (dict(ta_moe_warmup=-1), "--moe-ta-moe-warmup"),
-    (dict(gate="ta_moe", top_k=1, ta_moe_later_choice_bias=1.0), "--moe-ta-moe-later-choice-bias"),
     (dict(num_experts=0), "--moe-num-experts"),
 ])
 def test_invalid_values_name_the_option(kwargs, flag):

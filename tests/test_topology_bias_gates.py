@@ -99,8 +99,6 @@ def test_ta_moe_by_bias_needs_no_loss_and_syncs_its_gate_gradients():
     cfg = MoEConfig(gate="ta_moe", **TWO_BY_TWO)
     assert cfg.gate_sync_mode == ("all", 0) and cfg.per_rank_gate_state
     assert MoEConfig(gate="ta_moe", num_experts=8, world_size=4, topology="[[0,1],[2,3]]").gate_sync_mode[0] == "local"
-    with pytest.raises(ConfigError, match="--moe-ta-moe-warmup"):
-        MoEConfig(gate="ta_moe", ta_moe_warmup=10, **TWO_BY_TWO)
 
 
 def _node_gate(name, topology, M, k=2, E=8, rank=0):

@@ -10,8 +10,8 @@ a fixed-speed device by default (``--cpu-share auto``: its own CPU cgroup). ``--
 per seed (the configs of a seed interleaved) and summarises, per config, the medians over seeds of its ratios to the
 baseline of the same seed (``seed_summary``; ``--report`` prints that as markdown, ``--figure`` plots the losses);
 without it, ``--train-rounds`` rounds interleaved (the row is the round with the median step). A configuration may
-carry gate options after ``+`` (``ta_moe:local+ta-moe-later-choice-bias=1`` adds ``--moe-ta-moe-later-choice-bias
-1``; ``=true`` / ``=false`` for a switch), and ``--train-args`` changes the model or data for every run
+carry gate options after ``+`` (``ta_moe:local+ta-moe-smoothing=0.3`` adds ``--moe-ta-moe-smoothing 0.3``;
+``=true`` / ``=false`` for a switch), and ``--train-args`` changes the model or data for every run
 (``"--batch-size 16 --moe-every 2"``). Per run:
 
 - the off-node share of the dispatched assignments (routing trace, last quarter of training; for ta_moe its target

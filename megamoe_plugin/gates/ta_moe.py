@@ -26,17 +26,8 @@ c_hat_ie = c_hat_i,rank(e) / (experts per rank). Its balance point is f_e propor
 loss is balanced when w_e * f_e is equal across experts); with a uniform c_hat it is exactly the GShard loss.
 
 The loss steers every choice alike: each token's first expert drifts toward the source's node as much as its
-second, which can cost quality per step (docs/topology-gates.md measures both). ``ta_moe_later_choice_bias`` = s
-moves the steering onto the later choices: the first choice stays the router's argmax; choice j > 1 maximises
-log p_e + s * log(E * c_hat_ie) over the experts not yet chosen (a multiplicative prior (E * c_hat_ie)^s on the
-probabilities, 1 for an expert at its balanced share). The same target then needs less pressure on the router,
-and the combine weights stay the router's probabilities. s = 0 (default) is the released loss alone.
-
-``ta_moe_warmup`` = N starts from the GShard loss: over the layer's first N training forward calls the target
-moves linearly from uniform to c_hat (c_hat(r) = (1 - r) / E + r * c_hat, r = calls / N) and the prior from 0 to
-s * log(E * c_hat), so the router first learns which experts fit which tokens and only then is steered by the
-topology. The call count is a persistent integer buffer (checkpointed, so a resumed run continues the ramp), kept
-on the device (no sync); a forward recomputed for activation checkpointing counts again.
+second, which can cost quality per step (docs/topology-gates.md measures it); steering by bias (below) keeps the
+quality per step of the aux-loss-free family.
 
 **Steering by bias (with ``router_expert_bias``, the aux-loss-free family; no loss term).** Every sending rank i
 keeps its own bias b_i[r], one value per destination rank r of its expert-parallel group (``sender_bias``, an fp32
@@ -124,11 +115,6 @@ class TopologyAwareGate(Gate):
         target = (row / row.sum()).float()                        # c_hat_ie: fraction per expert, sums to 1
         self.register_buffer("target", target, persistent=False)
         self.register_buffer("loss_weight", (1.0 / cfg.num_experts) / target, persistent=False)
-        # log prior of the later choices: s * log(E * c_hat_ie), 0 for an expert at its balanced share
-        self.register_buffer("later_choice_prior",
-                             cfg.ta_moe_later_choice_bias * torch.log(target * cfg.num_experts), persistent=False)
-        if cfg.ta_moe_warmup > 0:              # training calls so far: the warm-up's position, saved with the model
-            self.register_buffer("warmup_calls", torch.zeros((), dtype=torch.int64))     # integer: survives .half()
         self.steer_by_bias = bool(cfg.router_expert_bias)
         if self.steer_by_bias:
             self._pattern = pattern
@@ -174,12 +160,6 @@ class TopologyAwareGate(Gate):
         self.sender_bias.sub_(self.sender_bias.mean())
         self.sender_tokens.zero_()
 
-    def _ramp(self):
-        """r in [0, 1]: how far the warm-up has moved the target from uniform to c_hat (1 without a warm-up)."""
-        if self.cfg.ta_moe_warmup <= 0:
-            return None
-        return (self.warmup_calls.float() / self.cfg.ta_moe_warmup).clamp(max=1.0)
-
     @classmethod
     def has_per_rank_state(cls, cfg) -> bool:
         return bool(cfg.router_expert_bias)            # each sender's bias
@@ -188,23 +168,6 @@ class TopologyAwareGate(Gate):
     def gate_sync_default(cls, cfg) -> str:
         """local for the loss (its per-rank targets cancel in averaged gradients); all when the bias steers."""
         return "all" if cfg is not None and cfg.router_expert_bias else cls.default_gate_sync
-
-    @classmethod
-    def validate_config(cls, cfg) -> None:
-        super().validate_config(cfg)
-        if cfg.ta_moe_later_choice_bias > 0 and cfg.top_k < 2:
-            raise ConfigError(f"{flag('ta_moe_later_choice_bias')}={cfg.ta_moe_later_choice_bias}: steers the "
-                              f"choices after the first, and {flag('top_k')}={cfg.top_k} has none; use top-k >= 2 "
-                              "or leave it at 0")
-        if cfg.ta_moe_warmup > 0 and cfg.router_expert_bias:
-            raise ConfigError(f"{flag('ta_moe_warmup')}={cfg.ta_moe_warmup} ramps TA-MoE's loss, and with "
-                              f"{flag('router_expert_bias')} the gate steers by its per-sender bias instead; leave "
-                              "the warm-up at 0")
-        if cfg.ta_moe_later_choice_bias > 0 and (cfg.router_expert_bias or cfg.group_topk):
-            other = "router_expert_bias" if cfg.router_expert_bias else "group_topk"
-            raise ConfigError(f"{flag('ta_moe_later_choice_bias')}={cfg.ta_moe_later_choice_bias} chooses the later "
-                              f"experts by log-probability plus its prior, which {flag(other)} would not enter; "
-                              "use one of the two")
 
     @classmethod
     def check_options(cls, cfg, topology):
@@ -223,15 +186,7 @@ class TopologyAwareGate(Gate):
         return []
 
     def select(self, logits, probs):
-        if self.cfg.ta_moe_later_choice_bias > 0 and self.top_k > 1:
-            first = probs.argmax(-1, keepdim=True)                                     # [T, 1]
-            r = self._ramp()
-            prior = self.later_choice_prior if r is None else r * self.later_choice_prior
-            scores = torch.log(probs.clamp_min(1e-20)) + prior                         # [T, E]
-            scores = scores.scatter(1, first, float("-inf"))
-            later = torch.topk(scores, self.top_k - 1, dim=-1).indices                 # [T, k-1]
-            ids = torch.cat([first, later], dim=1)
-        elif self.steer_by_bias:
+        if self.steer_by_bias:
             ids = self.topk(logits, probs + self.sender_bias[self.dest_rank], self.top_k)
         else:
             ids = self.topk(logits, probs, self.top_k)
@@ -241,13 +196,5 @@ class TopologyAwareGate(Gate):
         """E * coeff * sum_e w_e * f_e * m_e over the gate's own choices (module docstring), counts over
         ``seq_group``."""
         counts, total = self.group_counts(ids, valid)
-        r = self._ramp()
-        if self.steer_by_bias:            # the bias steers; a loss, when given, only balances
-            weight = None
-        elif r is None:
-            weight = self.loss_weight
-        else:
-            weight = (1.0 / self.num_experts) / ((1.0 - r) / self.num_experts + r * self.target)
-            if self.training:
-                self.warmup_calls.add_(1)
+        weight = None if self.steer_by_bias else self.loss_weight     # the bias steers; a loss then only balances
         return switch_loss(scores.sum(0), counts, total, ids.shape[1], self.num_experts, coeff, weight)
