@@ -159,8 +159,6 @@ class MoEConfig:
                                             "first (e.g. '100,12.5'); empty = defaults per level.")
     topology_latency_us: str = _opt("", "Comma list of latencies in microseconds per topology level, innermost "
                                         "first; empty = defaults per level.")
-    hir_budget_scale: float = _opt(1.0, "hir gate: multiplier on FasterMoE's cross-node token budget "
-                                        "L = W_net / (M * W_local) * B.")
     ta_moe_smoothing: float = _opt(0.1, "ta_moe gate: weight of the uniform pattern mixed into the target "
                                         "dispatch pattern (guards against expert isolation), in [0, 1].")
     ta_moe_exchange_mb: float = _opt(64.0, "ta_moe gate: bytes (MB) a rank sends per all-to-all, used by the "
@@ -204,8 +202,6 @@ class MoEConfig:
                                           "run, cached per cluster, refreshed when step times drift from the "
                                           "predictions), a name from `megamoe perf profiles`, or a JSON file "
                                           "written by `megamoe perf calibrate`.")
-    placement_group_cache: int = _opt(32, "Replica gradient all-reduce process groups kept in the LRU cache "
-                                          "(FlexMoE §4).")
     # --- dynamic shapes (DynaMoE: RECOMPILE, dynamic capacity, sample-assignment caching) --------------------------
     capacity_policy: str = _opt("static", "capacity mode: static (every expert's capacity from the capacity factor) "
                                           "or dynamic (DynaMoE §4.1: each expert's capacity follows its observed "
@@ -338,8 +334,6 @@ class MoEConfig:
                 self._bad(name, "must be >= 0")
         if not 0.0 <= self.ta_moe_smoothing <= 1.0:
             self._bad("ta_moe_smoothing", "must be in [0, 1]")
-        if not self.hir_budget_scale > 0:
-            self._bad("hir_budget_scale", "must be > 0")
         validate_router(self, self._bad)
         return gate_cls
 
@@ -382,8 +376,6 @@ class MoEConfig:
             self._bad("placement_spare_slots", "must be >= 0, or -1 for automatic")
         if self.placement_max_moves < 0:
             self._bad("placement_max_moves", "must be >= 0")
-        if self.placement_group_cache < 1:
-            self._bad("placement_group_cache", "must be >= 1")
 
     def _validate_dynamic(self):
         """DynaMoE: dynamic capacity, static graphs, assignment cache."""

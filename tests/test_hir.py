@@ -6,9 +6,9 @@ from megamoe_plugin.gates import build_gate
 from megamoe_plugin.parallel import ExpertParallel
 
 
-def _gate(rank, k, bw="100,25", scale=1.0):
+def _gate(rank, k, bw="100,25"):
     cfg = MoEConfig(gate="hir", num_experts=8, top_k=k, world_size=4, expert_parallel_size=4,
-                    topology="[[0,1],[2,3]]", topology_bandwidth_gbps=bw, hir_budget_scale=scale)
+                    topology="[[0,1],[2,3]]", topology_bandwidth_gbps=bw)
     return build_gate(cfg, 16, ep=ExpertParallel.layout(rank, [0, 1, 2, 3]))
 
 

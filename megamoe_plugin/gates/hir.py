@@ -8,7 +8,7 @@ interface than through a worker's local link. The Hir gate lets at most
 of a worker's tokens go to experts on other nodes, so that the node's cross-node traffic, M * L tokens, takes
 about as long as its local traffic. When more than L of the top choices are remote, the L with the highest gate
 scores keep them; the others re-select the best expert on their own node (excluding experts the token already
-chose). ``hir_budget_scale`` multiplies L. With top-k > 1 the budget counts (token, choice) assignments, which
+chose). With top-k > 1 the budget counts (token, choice) assignments, which
 for k = 1 is the paper's rule. On a single node the gate equals the naive top-k gate.
 """
 from __future__ import annotations
@@ -34,7 +34,7 @@ class HirGate(Gate):
         self.register_buffer("local_expert", torch.tensor(node_of_expert) == own, persistent=False)
         self.single_node = bool(self.local_expert.all())   # decided once here: no host sync per call
         self.workers_per_node = topo.ranks_per_node(me)
-        self.budget_ratio = cfg.hir_budget_scale * topo.net_bandwidth / (self.workers_per_node * topo.local_bandwidth)
+        self.budget_ratio = topo.net_bandwidth / (self.workers_per_node * topo.local_bandwidth)
         self.topology = topo
 
     @classmethod
