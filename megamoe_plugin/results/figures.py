@@ -36,6 +36,14 @@ def _bars(ax, labels: List[str], series: dict, ylabel: str, title: str) -> None:
     ax.legend(fontsize=8)
 
 
+def _save(plt, fig, title: str, path: str) -> str:
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def layer(data: Data, out: str) -> str:
     plt = _plt()
     cpu, gpu = layer_cpu_cells(data), layer_gpu_cells(data)
@@ -48,12 +56,8 @@ def layer(data: Data, out: str) -> str:
           {"ours": [c["ours"] for c in gpu], "megatron-core SequentialMLP": [c["megatron"] for c in gpu],
            "grouped GEMM floor": [c["floor"] for c in gpu]}, "ms, forward + backward",
           f"GPU, H100 bf16 ({data.runs['layer-gpu']['date']})")
-    fig.suptitle("`megamoe bench layer`: one MoE layer per shape (config) and routing, forward + backward")
-    fig.tight_layout()
-    path = os.path.join(out, "layer.png")
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    title = "`megamoe bench layer`: one MoE layer per shape (config) and routing, forward + backward"
+    return _save(plt, fig, title, os.path.join(out, "layer.png"))
 
 
 def planners(data: Data, out: str) -> str:
@@ -68,12 +72,8 @@ def planners(data: Data, out: str) -> str:
               f"{res['setup']['tokens_per_rank']:,} tokens per rank, "
               f"{res['setup']['inter_node_bandwidth'] / 1e6:.0f} MB/s between nodes")
         ax.axhline(1.0, color="black", linewidth=0.8)
-    fig.suptitle("`megamoe bench planners` on the emulated cluster: above 1 is faster than static placement")
-    fig.tight_layout()
-    path = os.path.join(out, "planners_over_static.png")
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    title = "`megamoe bench planners` on the emulated cluster: above 1 is faster than static placement"
+    return _save(plt, fig, title, os.path.join(out, "planners_over_static.png"))
 
 
 def gates(data: Data, out: str) -> str:
@@ -89,12 +89,8 @@ def gates(data: Data, out: str) -> str:
         ax.axhline(1.0, color="black", linewidth=0.8)
         ax.set_title(TOPOLOGY_LABELS[summary[0]["topology"]], fontsize=10)
     axes[0].set_ylabel("baseline's time to target / the routing's")
-    fig.suptitle("`megamoe bench gates`: time to target over the aux-loss-free baseline (bars: median; dots: seeds)")
-    fig.tight_layout()
-    path = os.path.join(out, "gates_time_to_target.png")
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    title = "`megamoe bench gates`: time to target over the aux-loss-free baseline (bars: median; dots: seeds)"
+    return _save(plt, fig, title, os.path.join(out, "gates_time_to_target.png"))
 
 
 def draw(data: Data) -> List[str]:
