@@ -11,7 +11,7 @@ import pytest
 from megamoe_plugin.results import main as results_main
 from megamoe_plugin.results.mdtable import number, read_tables, span
 from megamoe_plugin.results.pages import apply
-from megamoe_plugin.results.sections_cluster import _dynamic_vs_static, _over_static
+from megamoe_plugin.results.sections_cluster import dynamic_vs_static, over_static
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PAGES = ["README.md", "BENCHMARKS.md", "docs/results.md", "docs/data/README.md", "docs/history/README.md"]
@@ -93,13 +93,13 @@ def test_table_reading_and_the_comparisons_by_hand():
     # static's time to target over each run's, per round
     rows = [{"run": "static", "time_to_target_rounds": [100.0, 120.0]},
             {"run": "flexmoe", "time_to_target_rounds": [80.0, 150.0]}]
-    assert _over_static(rows)["flexmoe"] == [pytest.approx(1.25), pytest.approx(0.8)]
+    assert over_static(rows)["flexmoe"] == [pytest.approx(1.25), pytest.approx(0.8)]
     # static at the dynamic policy's drop rate (7%): between CF=4 (1%, 0.60 s) and CF=2 (13%, 0.48 s) -> 0.54 s
     summary = {"CF=1.0": {"dropped": [0.30], "step_seconds": [0.40]},
                "CF=2.0": {"dropped": [0.13], "step_seconds": [0.48]},
                "CF=4.0": {"dropped": [0.01], "step_seconds": [0.60]},
                "dynamic q=0.9": {"dropped": [0.07], "step_seconds": [0.60]}}
-    name, r = _dynamic_vs_static(summary)
+    name, r = dynamic_vs_static(summary)
     assert name == "CF=4.0 and CF=2.0" and r == pytest.approx(0.54 / 0.60)
     summary["dynamic q=0.9"]["dropped"] = [0.0]            # fewer drops than any static factor: the nearest one
-    assert _dynamic_vs_static(summary) == ("CF=4.0", pytest.approx(1.0))
+    assert dynamic_vs_static(summary) == ("CF=4.0", pytest.approx(1.0))

@@ -107,9 +107,7 @@ class PayoffGuard:
     def __init__(self, margin: Optional[float] = None, settings: GuardSettings = GuardSettings(), **overrides):
         if margin is not None:
             overrides["margin"] = float(margin)
-        self.settings = s = replace(settings, **overrides)
-        self.margin, self.min_steps, self.backoff, self.max_pause = s.margin, s.min_steps, s.backoff, s.max_pause
-        self.min_reference, self.max_returns = s.min_reference, s.max_returns
+        self.settings = replace(settings, **overrides)
         self.steps: List[float] = []                  # every observed training step's duration (s), in order
         self.pending: Optional[_Change] = None
         self.strikes = self.pause = self.kept = self.undone = 0
@@ -134,10 +132,10 @@ class PayoffGuard:
 
     @property
     def enabled(self) -> bool:
-        return self.margin >= 0
+        return self.settings.margin >= 0
 
     def window(self, interval: int) -> int:
-        return max(self.min_steps, int(interval))
+        return max(self.settings.min_steps, int(interval))
 
     def observe(self, seconds: float) -> None:
         """One training step's duration (called by the after-step hook after every step)."""
@@ -157,7 +155,7 @@ class PayoffGuard:
     def baseline(self, interval: int) -> Optional[float]:
         """This rank's median step over the last window, or over every step seen when fewer (None under
         ``min_steps``: a policy's first run at step ``interval`` has seen ``interval - 1`` step durations)."""
-        return statistics.median(self.steps[-self.window(interval):]) if len(self.steps) >= self.min_steps else None
+        return statistics.median(self.steps[-self.window(interval):]) if len(self.steps) >= self.settings.min_steps else None
 
     def check(self, interval: int, drift: Optional[Callable[[list], Optional[float]]] = None):
         """At a policy run (collective while a change is pending or the placement is away from the original):
@@ -192,8 +190,8 @@ class PayoffGuard:
                 before_s = max(before_s + statistics.fmean(change.old_after_s) - change.before_model_s, 0.0)
         final = len(after) >= self.settings.verdict_windows * change.window
         behind = self._behind(interval, drift)
-        lost = measured > before_s * (1.0 + self.margin)
-        within_noise = measured <= before_s * (1.0 + self.margin) + \
+        lost = measured > before_s * (1.0 + self.settings.margin)
+        within_noise = measured <= before_s * (1.0 + self.settings.margin) + \
             self.settings.undo_sigmas * self.verdict_error(change, len(after))
         if not behind and lost and not final and within_noise:
             self.inconclusive += 1                    # within the noise: judge again on one more window
@@ -213,7 +211,7 @@ class PayoffGuard:
             return None
         self.undone += 1
         self.strikes += 1
-        self.pause = min(self.backoff ** self.strikes, self.max_pause)
+        self.pause = min(self.settings.backoff ** self.strikes, self.settings.max_pause)
         if behind or change.from_origin:
             return self._return_to_origin(counted=behind)
         # back to the placement before this change: the routing has moved since that placement was judged, so the
@@ -243,12 +241,12 @@ class PayoffGuard:
             if now is not None:
                 reference = max(reference + now - self.reference_model_s, 0.0)
         away = job_max(statistics.median(self.away))
-        if away <= reference * (1.0 + self.margin):
+        if away <= reference * (1.0 + self.settings.margin):
             return False
         if self.away_steps >= self.settings.sure_windows * self.window(interval):
             return True
         error = self._median_difference_error(reference, len(self.away), self.reference_n)
-        return True if away > reference * (1.0 + self.margin) + self.settings.undo_sigmas * error else None
+        return True if away > reference * (1.0 + self.settings.margin) + self.settings.undo_sigmas * error else None
 
     def _watch(self, interval: int, drift=None):
         """Away from the original placement with no change pending: at 2, 4, 8, ... windows since leaving it,
@@ -267,13 +265,13 @@ class PayoffGuard:
         if not verdict:
             return None
         self.undone += 1
-        self.pause = self.max_pause
+        self.pause = self.settings.max_pause
         return self._return_to_origin(counted=True)
 
     def _return_to_origin(self, counted: bool):
         if counted:
             self.returned += 1
-            if self.returned >= self.max_returns:
+            if self.returned >= self.settings.max_returns:
                 self.stopped = True
         self._restart_watch(at_origin=True)
         return self._undo(self.origin)
@@ -301,7 +299,7 @@ class PayoffGuard:
         measured at 2,048 tokens per rank, 27-45% of a step that way against 7-12% step to step); None before
         ``min_reference`` such steps."""
         steps = self.origin_steps
-        if len(steps) < self.min_reference:
+        if len(steps) < self.settings.min_reference:
             return None
         med = statistics.median(steps)
         jumps = statistics.median(abs(b - a) for a, b in zip(steps, steps[1:]))
@@ -346,7 +344,7 @@ class PayoffGuard:
         has ``min_reference`` steps, or for good once ``stopped``."""
         if not self.enabled:
             return False
-        if self.stopped or (self.at_origin and len(self.origin_steps) < self.min_reference):
+        if self.stopped or (self.at_origin and len(self.origin_steps) < self.settings.min_reference):
             return True
         if self.pause > 0:
             self.pause -= 1

@@ -9,11 +9,12 @@ from __future__ import annotations
 import json
 import os
 import re
+from statistics import median
 from typing import Dict, List, Optional
 
-from .mdtable import median, number, ratio, read_tables, span, table
+from .mdtable import number, ratio, read_tables, span, table
 from .registry import Data
-from .sections_cluster import _dynamic_vs_static, _over_static, gates_medians
+from .sections_cluster import dynamic_vs_static, over_static, gates_medians
 from .sections_local import layer_cpu_cells, layer_gpu_cells
 
 PAPERS = {
@@ -68,7 +69,7 @@ def _dynamoe(data: Data, t: PaperTables) -> List[list]:
     cells = {}
     for run in ("capacity-512", "capacity-2048"):
         res = data.json(run)
-        cells[res["setup"]["batch_size"] * 64] = _dynamic_vs_static(res["summary"])
+        cells[res["setup"]["batch_size"] * 64] = dynamic_vs_static(res["summary"])
     caching = [s["ratio"] for s in data.json("capacity-caching")["caching"]["per_seed"] if s.get("ratio")]
     cluster = "; ".join(f"{tokens:,} tokens per rank: {ratio(r)} per step" for tokens, (_n, r) in cells.items())
     faster = all(r > 1.0 for _n, r in cells.values())
@@ -101,7 +102,7 @@ def _flexmoe(data: Data, t: PaperTables) -> List[list]:
     predicted_sh = [number(r["FlexMoE faster by"]) for r in t.rows(head)
                     if "GPUs" in r["routing"] and r["system"].startswith("FasterMoE")]
     big = data.json("planners-2048")["cells"][0]["rows"]
-    over = _over_static(big)
+    over = over_static(big)
     runs = {r["run"]: r for r in big}
     vs_shadow = [s / f for s, f in zip(runs["shadow_overlap"]["time_to_target_rounds"],
                                         runs["flexmoe_hidden_spare2"]["time_to_target_rounds"])]

@@ -11,8 +11,9 @@ import os
 from typing import List
 
 from ..bench.gates import LABELS, TOPOLOGY_LABELS
+from ..reproduce.common import save_figure
 from .registry import Data
-from .sections_cluster import _over_static
+from .sections_cluster import over_static
 from .sections_local import layer_cpu_cells, layer_gpu_cells
 
 FOLDER = os.path.join("docs", "figures", "benchmarks")
@@ -36,12 +37,10 @@ def _bars(ax, labels: List[str], series: dict, ylabel: str, title: str) -> None:
     ax.legend(fontsize=8)
 
 
-def _save(plt, fig, title: str, path: str) -> str:
+def _save(fig, title: str, out: str, name: str) -> str:
     fig.suptitle(title)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(fig, out, name)
 
 
 def layer(data: Data, out: str) -> str:
@@ -57,7 +56,7 @@ def layer(data: Data, out: str) -> str:
            "grouped GEMM floor": [c["floor"] for c in gpu]}, "ms, forward + backward",
           f"GPU, H100 bf16 ({data.runs['layer-gpu']['date']})")
     title = "`megamoe bench layer`: one MoE layer per shape (config) and routing, forward + backward"
-    return _save(plt, fig, title, os.path.join(out, "layer.png"))
+    return _save(fig, title, out, "layer")
 
 
 def planners(data: Data, out: str) -> str:
@@ -65,7 +64,7 @@ def planners(data: Data, out: str) -> str:
     fig, axes = plt.subplots(1, 2, figsize=(12, 4))
     for ax, run in zip(axes, ("planners-2048", "planners-512")):
         res = data.json(run)
-        over = {k: v for k, v in _over_static(res["cells"][0]["rows"]).items() if k != "static"}
+        over = {k: v for k, v in over_static(res["cells"][0]["rows"]).items() if k != "static"}
         rounds = len(next(iter(over.values())))
         _bars(ax, list(over), {f"round {i + 1}": [v[i] or 0 for v in over.values()] for i in range(rounds)},
               "static's time to target / the run's",
@@ -73,7 +72,7 @@ def planners(data: Data, out: str) -> str:
               f"{res['setup']['inter_node_bandwidth'] / 1e6:.0f} MB/s between nodes")
         ax.axhline(1.0, color="black", linewidth=0.8)
     title = "`megamoe bench planners` on the emulated cluster: above 1 is faster than static placement"
-    return _save(plt, fig, title, os.path.join(out, "planners_over_static.png"))
+    return _save(fig, title, out, "planners_over_static")
 
 
 def gates(data: Data, out: str) -> str:
@@ -90,7 +89,7 @@ def gates(data: Data, out: str) -> str:
         ax.set_title(TOPOLOGY_LABELS[summary[0]["topology"]], fontsize=10)
     axes[0].set_ylabel("baseline's time to target / the routing's")
     title = "`megamoe bench gates`: time to target over the aux-loss-free baseline (bars: median; dots: seeds)"
-    return _save(plt, fig, title, os.path.join(out, "gates_time_to_target.png"))
+    return _save(fig, title, out, "gates_time_to_target")
 
 
 def draw(data: Data) -> List[str]:

@@ -8,24 +8,19 @@ from __future__ import annotations
 import re
 from typing import Dict, Iterable, List, Optional, Sequence
 
+from ..reproduce.common import parse_markdown_table
+
 
 def read_tables(text: str) -> List[List[Dict[str, str]]]:
-    """Every pipe table in ``text``, each a list of {header cell: row cell}."""
-    tables, header, rows = [], None, []
+    """Every pipe table in ``text``, each a list of {header cell: row cell} (``parse_markdown_table`` per table)."""
+    blocks, current = [], []
     for line in text.splitlines() + [""]:
         if line.startswith("|"):
-            cells = [c.strip() for c in line.strip().strip("|").split("|")]
-            if header is None:
-                header = cells
-            elif all(re.fullmatch(r":?-+:?", c) for c in cells):
-                continue
-            else:
-                rows.append(dict(zip(header, cells)))
-            continue
-        if header is not None:
-            tables.append(rows)
-        header, rows = None, []
-    return tables
+            current.append(line)
+        elif current:
+            blocks.append("\n".join(current))
+            current = []
+    return [parse_markdown_table(block) for block in blocks]
 
 
 def number(cell: str) -> Optional[float]:
@@ -60,9 +55,3 @@ def table(header: Sequence[str], rows: Iterable[Sequence[object]], align: Option
     lines = ["| " + " | ".join(header) + " |", "|" + "|".join(rule) + "|"]
     lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
     return "\n".join(lines)
-
-
-def median(values: Sequence[float]) -> float:
-    vals = sorted(values)
-    mid = len(vals) // 2
-    return vals[mid] if len(vals) % 2 else (vals[mid - 1] + vals[mid]) / 2

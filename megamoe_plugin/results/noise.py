@@ -12,7 +12,7 @@ from typing import List
 from .claims import PaperTables
 from .mdtable import percent, ratio, table
 from .registry import Data
-from .sections_local import _layer_rows, number
+from .sections_local import layer_rows, number
 
 
 def _spread(values: List[float]) -> float:
@@ -21,7 +21,7 @@ def _spread(values: List[float]) -> float:
 
 def noise(data: Data) -> str:
     rows = []
-    now, before = _layer_rows(data.text("layer-cpu")), _layer_rows(data.text("layer-cpu-previous"))
+    now, before = layer_rows(data.text("layer-cpu")), layer_rows(data.text("layer-cpu-previous"))
     for impl in ("ours dropless", "megatron-core MoELayer"):
         changes = [number(now[c][impl]["time (ms)"]) / number(before[c][impl]["time (ms)"]) - 1
                    for c in now if c in before]

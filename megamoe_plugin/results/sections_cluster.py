@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Dict, List, Optional
 
 from ..bench.gates import LABELS, TOPOLOGY_LABELS, summary_markdown
+from ..reproduce.common import interp
 from .mdtable import percent, ratio, span, table
 from .registry import Data, Headline, Section, section
 
@@ -67,7 +68,7 @@ PLANNER_TARGET = 1.3
 NEVER_LOSE = 0.97
 
 
-def _over_static(rows: List[dict]) -> Dict[str, List[Optional[float]]]:
+def over_static(rows: List[dict]) -> Dict[str, List[Optional[float]]]:
     """Per run, per round: static's time to target over the run's (> 1: the run is faster)."""
     static = next(r for r in rows if r["run"] == "static")["time_to_target_rounds"]
     return {r["run"]: [s / t if s and t else None for s, t in zip(static, r["time_to_target_rounds"])]
@@ -75,7 +76,7 @@ def _over_static(rows: List[dict]) -> Dict[str, List[Optional[float]]]:
 
 
 def _planner_table(cell: dict) -> str:
-    over = _over_static(cell["rows"])
+    over = over_static(cell["rows"])
     lines = []
     for r in cell["rows"]:
         lines.append([r["run"], " / ".join(f"{s * 1e3:.0f}" for s in r["step_seconds_rounds"]),
@@ -95,7 +96,7 @@ def _cell_label(setup: dict) -> str:
 @section("planners")
 def planners(data: Data) -> Section:
     big, small = data.json("planners-2048"), data.json("planners-512")
-    over_big, over_small = _over_static(big["cells"][0]["rows"]), _over_static(small["cells"][0]["rows"])
+    over_big, over_small = over_static(big["cells"][0]["rows"]), over_static(small["cells"][0]["rows"])
     flex = [v for v in over_big["flexmoe_hidden_spare2"] if v]
     floor = [v for run, vals in over_small.items() if run != "static" for v in vals if v]
     body = "\n\n".join([
@@ -119,7 +120,7 @@ def _capacity_rows(summary: Dict[str, dict]) -> List[list]:
              f"{s['final_valid_loss'][0]:.3f} ± {s['final_valid_loss'][1]:.3f}"] for name, s in summary.items()]
 
 
-def _dynamic_vs_static(summary: Dict[str, dict], dynamic: str = "dynamic q=0.9"):
+def dynamic_vs_static(summary: Dict[str, dict], dynamic: str = "dynamic q=0.9"):
     """Static's step over the dynamic policy's at the dynamic policy's drop rate (paper 000 Fig. 9 reads the two
     curves at equal drops): static's step interpolated linearly in the drop rate between the two static factors
     around it (the nearest one outside their range). Returns (which statics, the ratio)."""
@@ -130,9 +131,8 @@ def _dynamic_vs_static(summary: Dict[str, dict], dynamic: str = "dynamic q=0.9")
     below = [s for s in statics if s[0] <= drop]
     above = [s for s in statics if s[0] > drop]
     if below and above:
-        (d0, t0, n0), (d1, t1, n1) = below[-1], above[0]
-        step = t0 + (drop - d0) / (d1 - d0) * (t1 - t0)
-        name = f"{n0} and {n1}"
+        step = interp([below[-1][:2], above[0][:2]], drop)
+        name = f"{below[-1][2]} and {above[0][2]}"
     else:
         _d, step, name = (below or above)[-1 if below else 0]
     return name, step / dyn["step_seconds"][0]
@@ -143,7 +143,7 @@ def capacity(data: Data) -> Section:
     small, big, cache = data.json("capacity-512"), data.json("capacity-2048"), data.json("capacity-caching")
     heads, parts = [], []
     for run, res in (("capacity-512", small), ("capacity-2048", big)):
-        name, step_ratio = _dynamic_vs_static(res["summary"])
+        name, step_ratio = dynamic_vs_static(res["summary"])
         heads.append(Headline(f"capacity: DynaMoE's dynamic capacity over static factors "
                               f"({res['setup']['batch_size'] * 64:,} tokens per rank)",
                               f"{ratio(step_ratio)} per step vs static at equal drops ({name})",

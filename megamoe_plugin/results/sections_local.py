@@ -18,7 +18,7 @@ LAYER_VS_MEGATRON_GPU = 1.20
 FLOOR_SHAPE_1 = 1.05
 
 
-def _layer_rows(text: str) -> Dict[Tuple[str, str], Dict[str, dict]]:
+def layer_rows(text: str) -> Dict[Tuple[str, str], Dict[str, dict]]:
     """{(config, routing): {implementation: row}} from a `bench layer --output` file."""
     cells: Dict[Tuple[str, str], Dict[str, dict]] = {}
     for rows in read_tables(text):
@@ -35,7 +35,7 @@ def _floor(impls: Dict[str, dict]) -> dict:
 def layer_cpu_cells(data: Data) -> List[dict]:
     """Per shape and routing: ours, megatron-core and the floor (ms), from the CPU run; used by the figure too."""
     out = []
-    for (config, routing), impls in _layer_rows(data.text("layer-cpu")).items():
+    for (config, routing), impls in layer_rows(data.text("layer-cpu")).items():
         ours, mc = impls["ours dropless"], impls["megatron-core MoELayer"]
         ds_ours, ds_mc = impls.get("ours dropless, deepseek-v3 router"), impls.get("megatron-core MoELayer, deepseek-v3 router")
         out.append({"config": config, "routing": routing, "ours": number(ours["time (ms)"]),
@@ -47,7 +47,7 @@ def layer_cpu_cells(data: Data) -> List[dict]:
 
 def layer_gpu_cells(data: Data) -> List[dict]:
     out = []
-    for (config, routing), impls in _layer_rows(data.text("layer-gpu")).items():
+    for (config, routing), impls in layer_rows(data.text("layer-gpu")).items():
         out.append({"config": config, "routing": routing, "ours": number(impls["ours dropless"]["time (ms)"]),
                     "megatron": number(impls["megatron-core SequentialMLP"]["time (ms)"]),
                     "grouped": number(impls["megatron-core GroupedMLP"]["time (ms)"]),
