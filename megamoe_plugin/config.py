@@ -36,11 +36,9 @@ GATED_ACTIVATIONS = ("swiglu", "quick_geglu")       # fc1 has 2F outputs [gate |
 SCORE_FUNCTIONS = ("softmax", "sigmoid", "sqrtsoftplus")
 ROUTER_DTYPES = ("fp32", "fp64", "input")
 DROP_POLICIES = ("probs", "position", "choice")
-CPU_GEMMS = ("auto", "onednn", "blas")
 EXPERT_KERNELS = ("auto", "grouped_mm", "loop")
 SECOND_EXPERT_POLICIES = ("all", "random")
-SCHEDULES = ("plain", "smart")
-CAPACITY_POLICIES = ("static", "dynamic")
+CAPACITY_POLICIES = ("static", "dynamic", "quantile")
 EXPERT_GRAPHS = ("none", "compile", "cuda-graph")
 EXPERT_CACHE_POLICIES = ("lifo", "fifo", "lru", "lfu")
 # built-in placement policies that move experts' rows and optimizer state between ranks, and those of them that
@@ -48,6 +46,7 @@ EXPERT_CACHE_POLICIES = ("lifo", "fifo", "lru", "lfu")
 MOVING_PLACEMENTS = ("flexmoe", "shadow", "eplb")
 REPLICA_PLACEMENTS = ("flexmoe", "eplb")
 NONFINITE_ACTIONS = ("raise", "skip", "off")
+INIT_STD = 0.02        # normal init of the plugin layer's gate and expert weights (trainers may re-initialise them)
 
 
 @dataclass
@@ -90,7 +89,6 @@ class MoEConfig:
                                                 "--moe-aux-loss-coeff.")
     quantile_balancing_ema: float = _opt(0.0, "quantile_balancing: weight of the previous bias in its update once "
                                               "per global batch (0 = the latest quantiles only).")
-    router_bias: bool = _opt(False, "Give the router's linear layer a bias (Megatron: add_bias_linear; gpt-oss).")
     jitter_eps: float = _opt(0.0, "Multiplicative jitter noise on the gate input in training, "
                                   "x * U(1-eps, 1+eps) (Switch Transformer uses 1e-2); 0 disables.")
     second_expert_policy: str = _opt("random", "gshard: 'random' keeps the 2nd expert with probability "
@@ -125,11 +123,10 @@ class MoEConfig:
                                        "expert's output (Megatron's --moe-apply-probs-on-input; top-1 only).")
     schedule: str = _opt("plain", "Exchange schedule with expert parallelism: plain (all-to-all, experts, all-to-all) "
                                   "or smart (FasterMoE §4.2: grouped pairwise exchange pipelined with the expert "
-                                  "computation; dropless dispatch only; same outputs and gradients).", SCHEDULES)
-    smart_groups: int = _opt(0, "smart schedule: number of groups n the expert-parallel ranks are split into; "
-                                "0 = one group per rank (measured faster than one per node on the emulated "
-                                "cluster); -1 = one group per node of the topology (the paper's grouping); "
-                                "n > 0 must divide the expert-parallel size.")
+                                  "computation; dropless dispatch only; same outputs and gradients) with one "
+                                  "group per rank (measured faster than one per node on the emulated cluster); "
+                                  "smart:node = one group per node of the topology (the paper's grouping), "
+                                  "smart:N = N groups (N divides the expert-parallel size).")
     # --- experts -------------------------------------------------------------------------------------------------
     expert_ffn_hidden_size: int = _opt(0, "FFN hidden size of each expert; 0 = the model's FFN hidden size.")
     activation: str = _opt("gelu", "Expert activation: gelu | relu | swiglu (silu-gated) | squared_relu "
@@ -137,19 +134,14 @@ class MoEConfig:
     glu_linear_offset: float = _opt(0.0, "Gated activations: act(gate) * (linear + offset) (gpt-oss: 1).")
     activation_clamp: float = _opt(0.0, "Gated activations: clamp gate to <= c and linear to [-c, c] before the "
                                         "activation (gpt-oss: 7); 0 = no clamp.")
-    expert_bias: bool = _opt(False, "Give the experts' fc1/fc2 a bias.")
-    init_std: float = _opt(0.02, "Std of the normal init of expert and gate weights.")
+    linear_bias: bool = _opt(False, "Give the router's linear layer and the experts' fc1/fc2 biases (Megatron's "
+                                    "add_bias_linear; gpt-oss).")
     expert_kernel: str = _opt("auto", "How the experts compute: grouped_mm (torch's grouped GEMM, every expert in "
                                       "one kernel per product, group offsets on the device: no host sync), loop "
                                       "(one GEMM per expert; on CPU with lanes and oneDNN), auto = whichever "
                                       "measured faster for the layer's shape (timed once per process; on CUDA "
                                       "the loop only when clearly faster).",
                               EXPERT_KERNELS)
-    cpu_expert_lanes: int = _opt(0, "CPU only: run this many experts side by side, one thread each; 0 = automatic "
-                                    "(lanes = intra-op threads when groups are small), 1 = one after another.")
-    cpu_gemm: str = _opt("auto", "CPU only: expert GEMMs through oneDNN's linear kernel or BLAS (torch.mm); auto = "
-                                 "oneDNN for fp32/bf16 where its kernel runs that dtype on this CPU (bf16 needs "
-                                 "AVX-512 or AMX), else BLAS.", CPU_GEMMS)
     # --- parallelism and topology --------------------------------------------------------------------------------
     expert_parallel_size: int = _opt(1, "Ranks the experts are sharded over (the expert-parallel group size).")
     world_size: int = _opt(0, "Ranks in the job; 0 = from the launcher (WORLD_SIZE), else 1.")
@@ -159,10 +151,6 @@ class MoEConfig:
                                             "first (e.g. '100,12.5'); empty = defaults per level.")
     topology_latency_us: str = _opt("", "Comma list of latencies in microseconds per topology level, innermost "
                                         "first; empty = defaults per level.")
-    ta_moe_smoothing: float = _opt(0.1, "ta_moe gate: weight of the uniform pattern mixed into the target "
-                                        "dispatch pattern (guards against expert isolation), in [0, 1].")
-    ta_moe_exchange_mb: float = _opt(64.0, "ta_moe gate: bytes (MB) a rank sends per all-to-all, used by the "
-                                           "alpha-beta model that derives the target dispatch pattern.")
     # --- placement (between optimizer steps) ----------------------------------------------------------------------
     placement: str = _opt("none", "Expert placement between optimizer steps: none | flexmoe (FlexMoE vExperts: "
                                   "Expand/Shrink/Migrate experts with their optimizer state when the cost model "
@@ -174,62 +162,32 @@ class MoEConfig:
                                       "summed routing); 0 = automatic: 10 for flexmoe and eplb (their moves pay off "
                                       "over the interval, and each run costs collectives), 1 for shadow (FasterMoE "
                                       "decides per iteration).")
-    placement_plan_steps: int = _opt(0, "The planners plan from the routing of the last this many optimizer steps "
-                                        "(at most the interval); 0 = automatic: 3 for flexmoe (where the hot "
-                                        "experts drift, the last steps' routing predicts the next ones' better than "
-                                        "the interval's sum), the whole interval otherwise (eplb keeps its own "
-                                        "moving average of it).")
     placement_threshold: float = _opt(1.2, "flexmoe: balance ratio (FlexMoE Eq. 6: the most loaded rank's tokens "
                                            "over the mean) above which experts are expanded and shrunk.")
     placement_spare_slots: int = _opt(-1, "vExpert slots per rank beyond the experts it starts with (room for "
                                           "replicas); -1 = 1 with --moe-placement flexmoe or eplb, else 0.")
-    placement_max_moves: int = _opt(4, "flexmoe: at most this many Expand/Shrink/Migrate per layer per run.")
     placement_guard: float = _opt(0.03, "Keep a placement change only when the measured steps after it (plus the "
                                         "change's own time over the interval) are at most this fraction slower "
                                         "than those before it; otherwise undo it and pause the policy (2, 4, ... "
                                         "runs). Negative: keep every change the cost model proposes.")
-    placement_prefetch: bool = _opt(True, "shadow: broadcast the shadowed experts' copies for the next step "
-                                          "asynchronously right after the optimizer step (on a process group of "
-                                          "their own), overlapping the next batch and the layers below the MoE layer, "
-                                          "instead of synchronously in its forward.")
-    placement_overlap_sync: bool = _opt(False, "flexmoe / eplb: all-reduce the replicated experts' gradients, "
-                                               "shadow: reduce the shadow copies' gradients to their owners, "
-                                               "asynchronously, behind the backward of the layers below, and "
-                                               "complete them at the end of the backward pass (FlexMoE §4), "
-                                               "instead of synchronously in the layer's backward.")
+    placement_overlap_sync: bool = _opt(True, "flexmoe / eplb: all-reduce the replicated experts' gradients, "
+                                              "shadow: reduce the shadow copies' gradients to their owners, "
+                                              "asynchronously, behind the backward of the layers below, and "
+                                              "complete them at the end of the backward pass (FlexMoE §4), "
+                                              "instead of synchronously in the layer's backward (off, and "
+                                              "automatically with Megatron's --overlap-grad-reduce).")
     placement_profile: str = _opt("auto", "Hardware profile whose cost model the placement policies consult: auto "
                                           "(calibrate the running job's own process groups at the first placement "
-                                          "run, cached per cluster, refreshed when step times drift from the "
-                                          "predictions), a name from `megamoe perf profiles`, or a JSON file "
+                                          "run, cached per cluster), a name from `megamoe perf profiles`, or a JSON file "
                                           "written by `megamoe perf calibrate`.")
     # --- dynamic shapes (DynaMoE: RECOMPILE, dynamic capacity, sample-assignment caching) --------------------------
-    capacity_policy: str = _opt("static", "capacity mode: static (every expert's capacity from the capacity factor) "
-                                          "or dynamic (DynaMoE §4.1: each expert's capacity follows its observed "
-                                          "demand, changed between steps by RECOMPILE).", CAPACITY_POLICIES)
-    capacity_headroom: float = _opt(0.2, "dynamic capacity: capacity = smoothed per-expert demand + max(headroom x "
-                                         "that demand, spread x its smoothed standard deviation).")
-    capacity_spread: float = _opt(2.0, "dynamic capacity: standard deviations of the per-expert demand the capacity "
-                                       "covers beyond its average (batch-to-batch jitter); 0 = headroom only.")
-    capacity_quantile: float = _opt(0.0, "dynamic capacity: 0 = capacity from the moving average and spread (above); "
-                                         "q in (0, 1) = each expert's capacity is the q-quantile of its demand over "
-                                         "the last capacity-window steps (at least average x (1 + headroom)), and "
-                                         "an expert grows as soon as that quantile exceeds its capacity, so it "
-                                         "overflows in about 1 - q of the steps.")
-    capacity_window: int = _opt(32, "dynamic capacity with --moe-capacity-quantile: steps of demand history kept per "
-                                    "expert.")
-    capacity_smoothing: float = _opt(0.7, "dynamic capacity: weight of the past in the moving average of each "
-                                          "expert's demand (0 = the last step only).")
-    capacity_hysteresis: float = _opt(0.25, "dynamic capacity: shrink a layer's capacities only when their total exceeds "
-                                            "the targets' total by more than this fraction (experts that drop on "
-                                            "average grow at once); bounds the number of recompilations.")
-    capacity_quantum: int = _opt(8, "dynamic capacity: capacities are rounded up to a multiple of this (fewer "
-                                    "distinct shapes; GEMM-friendly sizes).")
-    capacity_min_interval: int = _opt(10, "dynamic capacity: at least this many steps between two recompilations "
-                                          "of a layer that only shrink capacities (growing an expert that drops "
-                                          "tokens on average is never delayed).")
-    recompile_delta_launch: int = _opt(1, "RECOMPILE Δ_launch: a decision computed from a step's metrics takes effect "
-                                          "this many steps later (the trigger runs off the training thread "
-                                          "meanwhile); 0 = apply before the next step (the loop waits).")
+    capacity_policy: str = _opt("static", "capacity mode: static (every expert's capacity from the capacity factor), "
+                                          "dynamic (DynaMoE §4.1: each expert's capacity follows its observed "
+                                          "demand, its moving average plus a spread of its deviation, changed "
+                                          "between steps by RECOMPILE) or quantile (the same, each expert's "
+                                          "capacity the 0.9-quantile of its demand over the last 32 steps: it "
+                                          "overflows in about 10% of the steps whatever its demand's spread).",
+                                CAPACITY_POLICIES)
     expert_graph: str = _opt("none", "capacity mode: run the experts' static-shape computation as a torch.compile "
                                      "graph (compile) or a captured CUDA graph (cuda-graph), re-compiled / "
                                      "re-captured when dynamic capacity changes the shapes; weights are never "
@@ -242,8 +200,6 @@ class MoEConfig:
     assignment_cache_off: float = _opt(0.90, "assignment cache: switch caching off when fewer than this fraction "
                                              "kept their assignment.")
     assignment_cache_min_epoch: int = _opt(10, "assignment cache: never switch caching on before this epoch.")
-    assignment_cache_positions: int = _opt(0, "assignment cache: positions per sample (the sequence length); 0 = "
-                                              "the trainer's sequence length / max positions.")
     # --- inference deployment (paper 004: expert buffering, expert load balancing) ---------------------------------
     expert_cache_size: int = _opt(0, "Inference, expert buffering (paper 004 §VI): expert slots per device; every "
                                      "expert's weights live in (pinned) CPU memory and the active ones are copied "
@@ -259,7 +215,6 @@ class MoEConfig:
                                    "checked once per training step): raise (stop, naming the layer, step and rank), "
                                    "skip (drop that step's update, where the trainer can) or off.", NONFINITE_ACTIONS)
     trace_path: str = _opt("", "Write routing traces (per layer and step [source rank x expert] counts) here.")
-    trace_token_ids: bool = _opt(False, "Also record every token's expert ids in the trace (larger files).")
 
     def __post_init__(self):
         self._coerce_types()
@@ -312,7 +267,7 @@ class MoEConfig:
         if self.top_k > self.num_experts:
             self._bad("top_k", f"cannot exceed --moe-num-experts={self.num_experts}")
         gate_cls.validate_config(self)                  # the gate's own rules (top-k, ...)
-        for name in ("dispatch", "activation", "second_expert_policy", "cpu_gemm", "expert_kernel", "schedule",
+        for name in ("dispatch", "activation", "second_expert_policy", "expert_kernel",
                      "nonfinite", "score_function", "router_dtype", "drop_policy"):
             choices = _field(name).metadata["choices"]
             if getattr(self, name) not in choices:
@@ -329,18 +284,14 @@ class MoEConfig:
             self._bad("min_capacity", "must be >= 0")
         if self.jitter_eps < 0 or self.jitter_eps >= 1:
             self._bad("jitter_eps", "must be in [0, 1)")
-        for name in ("aux_loss_coeff", "z_loss_coeff", "init_std", "ta_moe_exchange_mb"):
+        for name in ("aux_loss_coeff", "z_loss_coeff"):
             if getattr(self, name) < 0:
                 self._bad(name, "must be >= 0")
-        if not 0.0 <= self.ta_moe_smoothing <= 1.0:
-            self._bad("ta_moe_smoothing", "must be in [0, 1]")
         validate_router(self, self._bad)
         return gate_cls
 
     def _validate_experts_and_parallel(self):
         """Experts, expert parallelism and the smart schedule."""
-        if self.cpu_expert_lanes < 0:
-            self._bad("cpu_expert_lanes", "must be >= 0 (0 = automatic)")
         if self.expert_ffn_hidden_size < 0:
             self._bad("expert_ffn_hidden_size", "must be >= 0")
         if self.expert_parallel_size < 1:
@@ -353,36 +304,34 @@ class MoEConfig:
                                         f"divide the world size")
         if self.num_experts % self.expert_parallel_size:
             self._bad("num_experts", f"must be divisible by --moe-expert-parallel-size={self.expert_parallel_size}")
-        if self.schedule == "smart" and self.dispatch != "dropless":
+        try:
+            smart, groups = parse_schedule(self.schedule)
+        except ValueError as e:
+            self._bad("schedule", str(e))
+        if smart and self.dispatch != "dropless":
             self._bad("schedule", "the smart schedule pipelines dropless dispatch only, not capacity dispatch "
                             "(see --moe-dispatch)")
-        if self.smart_groups < -1:
-            self._bad("smart_groups", "must be >= -1 (0 = one group per rank, -1 = one per node of the topology)")
-        if self.smart_groups > 0 and self.expert_parallel_size % self.smart_groups:
-            self._bad("smart_groups", f"must divide --moe-expert-parallel-size={self.expert_parallel_size}")
+        if groups > 0 and self.expert_parallel_size % groups:
+            self._bad("schedule", f"{groups} groups must divide --moe-expert-parallel-size={self.expert_parallel_size}")
         return world
 
     def _validate_placement(self):
         """FlexMoE / shadowing placement."""
         if self.placement_interval < 0:
             self._bad("placement_interval", "must be >= 1, or 0 for automatic")
-        if self.placement_plan_steps < 0:
-            self._bad("placement_plan_steps", "must be >= 1, or 0 for automatic")
         if not self.placement:
             self._bad("placement", "must not be empty (use 'none')")
         if self.placement_threshold < 1.0:
             self._bad("placement_threshold", "must be >= 1 (the balance ratio is >= 1)")
         if self.placement_spare_slots < -1:
             self._bad("placement_spare_slots", "must be >= 0, or -1 for automatic")
-        if self.placement_max_moves < 0:
-            self._bad("placement_max_moves", "must be >= 0")
 
     def _validate_dynamic(self):
         """DynaMoE: dynamic capacity, static graphs, assignment cache."""
         for name in ("capacity_policy", "expert_graph"):
             if getattr(self, name) not in _field(name).metadata["choices"]:
                 self._bad(name, f"must be one of {', '.join(_field(name).metadata['choices'])}")
-        if self.capacity_policy == "dynamic" and self.dispatch != "capacity":
+        if self.dynamic_capacity and self.dispatch != "capacity":
             self._bad("capacity_policy", "dynamic capacity changes the capacity dispatch's shapes; use "
                                    "--moe-dispatch capacity (dropless dispatch has no capacity)")
         if self.expert_graph != "none" and self.dispatch != "capacity":
@@ -391,22 +340,6 @@ class MoEConfig:
         if self.expert_graph != "none" and not self.pad_to_capacity:
             self._bad("expert_graph", "static-shape expert graphs need every expert to compute its capacity of rows "
                                       "(--moe-pad-to-capacity)")
-        if self.capacity_headroom < 0:
-            self._bad("capacity_headroom", "must be >= 0")
-        if not 0.0 <= self.capacity_smoothing < 1.0:
-            self._bad("capacity_smoothing", "must be in [0, 1)")
-        if self.capacity_spread < 0:
-            self._bad("capacity_spread", "must be >= 0")
-        if not 0.0 <= self.capacity_quantile < 1.0:
-            self._bad("capacity_quantile", "must be in [0, 1) (0 = moving average + spread)")
-        if self.capacity_window < 2:
-            self._bad("capacity_window", "must be >= 2")
-        if self.capacity_hysteresis < 0:
-            self._bad("capacity_hysteresis", "must be >= 0")
-        if self.capacity_quantum < 1:
-            self._bad("capacity_quantum", "must be >= 1")
-        if self.capacity_min_interval < 1:
-            self._bad("capacity_min_interval", "must be >= 1")
 
     def _validate_inference_and_topology(self, gate_cls, world):
         """Inference deployment options and the topology."""
@@ -416,8 +349,6 @@ class MoEConfig:
             self._bad("expert_cache_policy", f"must be one of {', '.join(EXPERT_CACHE_POLICIES)}")
         if self.placement_file and not os.path.isfile(self.placement_file):
             self._bad("placement_file", "no such file (write one with `megamoe balance`)")
-        if self.recompile_delta_launch < 0:
-            self._bad("recompile_delta_launch", "must be >= 0")
         for name in ("assignment_cache_on", "assignment_cache_off"):
             if not 0.0 <= getattr(self, name) <= 1.0:
                 self._bad(name, "must be a fraction in [0, 1]")
@@ -425,8 +356,6 @@ class MoEConfig:
             self._bad("assignment_cache_off", f"must not exceed --moe-assignment-cache-on={self.assignment_cache_on}")
         if self.assignment_cache_min_epoch < 0:
             self._bad("assignment_cache_min_epoch", "must be >= 0")
-        if self.assignment_cache_positions < 0:
-            self._bad("assignment_cache_positions", "must be >= 0 (0 = the trainer's sequence length)")
         if gate_cls.needs_topology or self.topology:
             try:
                 topo = self.build_topology()
@@ -445,11 +374,27 @@ class MoEConfig:
         return self.placement_interval or (10 if self.placement in REPLICA_PLACEMENTS else 1)
 
     @property
+    def smart_schedule(self) -> bool:
+        """--moe-schedule smart[:...]: FasterMoE's pipelined exchange (dispatch/smart.py)."""
+        return parse_schedule(self.schedule)[0]
+
+    @property
+    def smart_groups(self) -> int:
+        """The smart schedule's groups: 0 = one per rank, -1 = one per node of the topology, N > 0 = N groups."""
+        return parse_schedule(self.schedule)[1]
+
+    @property
+    def dynamic_capacity(self) -> bool:
+        """--moe-capacity-policy dynamic or quantile: capacities follow the demand (DynaMoE §4.1)."""
+        return self.capacity_policy in ("dynamic", "quantile")
+
+    @property
     def placement_plan_window(self) -> int:
-        """--moe-placement-plan-steps resolved: the steps whose routing the planners plan from (at most the
-        interval); 3 for flexmoe and the whole interval otherwise when 0 (automatic)."""
+        """The steps whose routing the planners plan from: FlexMoE the last 3 (where the hot experts drift, the last
+        steps predict the next ones better than the interval's sum: an interleaved A/B in the planners
+        benchmark), the others the whole interval (EPLB keeps its own moving average of it)."""
         every = self.placement_every
-        return min(every, self.placement_plan_steps or (3 if self.placement == "flexmoe" else every))
+        return min(every, 3) if self.placement == "flexmoe" else every
 
     @property
     def gate_sync_mode(self):
@@ -511,11 +456,48 @@ class MoEConfig:
 
     @classmethod
     def from_dict(cls, d: dict) -> "MoEConfig":
+        d = upgrade_options(d)
         names = {f.name for f in dataclasses.fields(cls)}
         unknown = set(d) - names
         if unknown:
             raise ConfigError(f"unknown MoE option(s): {', '.join(sorted(unknown))}")
         return cls(**d)
+
+
+# options of earlier releases, as a saved option dict may hold them: renamed ones, and those that became constants
+# (DynamicSettings, the placement and TA-MoE modules' constants), automatic choices or the trainer's (init_std: the
+# layers' init std, which Megatron's adapter takes from --init-method-std)
+RENAMED_OPTIONS = {"expert_bias": "linear_bias", "router_bias": "linear_bias"}
+RETIRED_OPTIONS = ("capacity_headroom", "capacity_spread", "capacity_window", "capacity_smoothing",
+                   "capacity_hysteresis", "capacity_quantum", "capacity_min_interval", "recompile_delta_launch",
+                   "assignment_cache_positions", "trace_token_ids", "placement_prefetch", "placement_plan_steps",
+                   "placement_max_moves", "cpu_expert_lanes", "cpu_gemm", "ta_moe_smoothing", "ta_moe_exchange_mb",
+                   "placement_overlap_moves", "capacity_rank_budget", "ta_moe_later_choice_bias", "ta_moe_warmup",
+                   "hir_budget_scale", "placement_group_cache", "init_std", "capacity_quantile", "smart_groups")
+
+
+def upgrade_options(d: dict) -> dict:
+    """A saved option dict in this release's names: renamed options mapped (either bias of an earlier release
+    turns ``linear_bias`` on), retired ones dropped."""
+    out = {k: v for k, v in d.items() if k not in RETIRED_OPTIONS and k not in RENAMED_OPTIONS}
+    for old, new in RENAMED_OPTIONS.items():
+        if old in d:
+            out[new] = bool(out.get(new)) or bool(d[old])
+    return out
+
+
+def parse_schedule(text: str):
+    """--moe-schedule: 'plain' -> (False, 0), 'smart' -> (True, 0: a group per rank), 'smart:node' -> (True, -1),
+    'smart:N' -> (True, N)."""
+    t = str(text).strip().lower()
+    if t in ("plain", "smart"):
+        return t == "smart", 0
+    kind, _, groups = t.partition(":")
+    if kind == "smart" and groups == "node":
+        return True, -1
+    if kind == "smart" and groups.isdigit() and int(groups) >= 1:
+        return True, int(groups)
+    raise ValueError("must be plain, smart, smart:node or smart:N with N >= 1")
 
 
 def parse_gate_sync(text: str, gate: str = "", cfg=None):

@@ -45,7 +45,7 @@ from typing import Iterator, List, Optional, Tuple
 
 import torch
 
-from .config import MoEConfig
+from .config import MoEConfig, upgrade_options
 from .layer import MoELayer, moe_layers
 from .stats import TraceRecorder, load_trace
 
@@ -57,7 +57,7 @@ TRAINERS = ("core", "fairseq", "megatron")
 # options that only matter while training, in a distributed job or for a placement: reset for one-process inference
 _INFERENCE_RESET = dict(expert_parallel_size=1, world_size=1, topology="", placement="none", placement_spare_slots=0,
                         placement_file="", capacity_policy="static", expert_graph="none", assignment_cache=False,
-                        trace_path="", expert_cache_size=0, schedule="plain", smart_groups=0)
+                        trace_path="", expert_cache_size=0, schedule="plain")
 
 
 class CheckpointError(ValueError):
@@ -67,7 +67,7 @@ class CheckpointError(ValueError):
 def inference_config(d: dict, **overrides) -> MoEConfig:
     """A one-process inference MoEConfig from a checkpoint's option dict (unknown, newer options dropped)."""
     names = {f for f in MoEConfig.__dataclass_fields__}
-    kept = {k: v for k, v in d.items() if k in names}
+    kept = {k: v for k, v in upgrade_options(d).items() if k in names}
     kept.update({k: v for k, v in _INFERENCE_RESET.items() if k in names})
     kept.update(overrides)
     return MoEConfig(**kept)

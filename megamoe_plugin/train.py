@@ -48,7 +48,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from .cpu_alloc import retain_freed_memory
-from .config import ConfigError, MoEConfig, iter_options
+from .config import ConfigError, MoEConfig, iter_options, upgrade_options
 from .data import build_corpus
 from .dynamic import DynamicRuntime, dynamic_enabled
 from .dynamic.assignment_cache import AssignmentCache
@@ -75,7 +75,7 @@ CHECKPOINT_FORMAT = checkpoints.FORMAT
 MODEL_ARG_NAMES = ("hidden", "layers", "heads", "ffn_hidden", "seq_len", "moe_every", "dropout")
 # MoE options that change the parameters' shapes: a checkpoint only resumes with equal values (the expert-parallel
 # size may differ: the experts are resharded)
-MOE_SHAPE_OPTIONS = ("num_experts", "expert_ffn_hidden_size", "activation", "expert_bias")
+MOE_SHAPE_OPTIONS = ("num_experts", "expert_ffn_hidden_size", "activation", "linear_bias")
 
 
 # --------------------------------------------------------------------------------------------------- arguments
@@ -507,7 +507,7 @@ def _check_resumable(parser, ckpt: "checkpoints.CheckpointSet", args, cfg: MoECo
     saved = ckpt.manifest
     diffs = [f"--{n.replace('_', '-')}: checkpoint {saved['model_args'].get(n)!r}, now {getattr(args, n)!r}"
              for n in MODEL_ARG_NAMES if saved["model_args"].get(n) != getattr(args, n)]
-    old = saved["moe_config"]
+    old = upgrade_options(saved["moe_config"])
     diffs += [f"--moe-{n.replace('_', '-')}: checkpoint {old.get(n)!r}, now {getattr(cfg, n)!r}"
               for n in MOE_SHAPE_OPTIONS if old.get(n) != getattr(cfg, n)]
     if diffs:
@@ -626,9 +626,8 @@ def _dynamic_runtime(cfg: MoEConfig, args, model, ps: ParallelState, state: dict
     per-rank states (merged when the world size changed); None when off."""
     if not dynamic_enabled(cfg):
         return None
-    dcfg = cfg if cfg.assignment_cache_positions else cfg.replace(assignment_cache_positions=args.seq_len)
-    dynamic = DynamicRuntime(dcfg, {m.layer_id: m for m in moe_layers(model)},
-                             group=dist.group.WORLD if ps.distributed else None)
+    dynamic = DynamicRuntime(cfg, {m.layer_id: m for m in moe_layers(model)},
+                             group=dist.group.WORLD if ps.distributed else None, positions=args.seq_len)
     saved = state.get("dynamic")
     if saved:
         mine = dict(saved[ps.rank] if len(saved) == ps.world_size else saved[0])
@@ -690,7 +689,7 @@ def _train(parser, args, cfg: MoEConfig, ps: ParallelState, hook: AfterStepHook,
     trace_path = args.trace or cfg.trace_path
     tracer = None
     if trace_path:
-        tracer = TraceRecorder(trace_path, ps.rank, ps.world_size, cfg.num_experts, cfg.top_k, cfg.trace_token_ids)
+        tracer = TraceRecorder(trace_path, ps.rank, ps.world_size, cfg.num_experts, cfg.top_k)
         stats.listeners.append(tracer)
 
     _log_setup(log, args, cfg, ps, corpus, model, warmup, time.perf_counter() - t0)

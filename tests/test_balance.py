@@ -161,7 +161,7 @@ def _grads(layer, x, seed, train):
 @pytest.mark.parametrize("gate,k,dispatch,extra", GATES)
 def test_permutation_leaves_moelayer_outputs_unchanged(gate, k, dispatch, extra):
     torch.manual_seed(0)
-    cfg = MoEConfig(num_experts=6, top_k=k, gate=gate, dispatch=dispatch, expert_bias=True, aux_loss_coeff=0.01,
+    cfg = MoEConfig(num_experts=6, top_k=k, gate=gate, dispatch=dispatch, linear_bias=True, aux_loss_coeff=0.01,
                     **extra)
     layer = MoELayer(cfg, 10, 14).double()
     with torch.no_grad():

@@ -233,9 +233,9 @@ def test_bench_gates_configs_carry_gate_options():
     assert config_flags("topk+router-expert-bias=false")[-1] == "--no-moe-router-expert-bias"
     assert config_flags("node_limited_sender")[:6] == ["--moe-gate", "node_limited_sender", "--moe-gate-sync",
                                                        "auto", "--moe-group-topk", "1"]
-    assert config_flags("ta_moe:average:50+ta-moe-exchange-mb=32+ta-moe-smoothing=0.3") == [
-        "--moe-gate", "ta_moe", "--moe-gate-sync", "average:50", "--moe-ta-moe-exchange-mb", "32",
-        "--moe-ta-moe-smoothing", "0.3"]
+    assert config_flags("ta_moe:average:50+jitter-eps=0.01+z-loss-coeff=0.001") == [
+        "--moe-gate", "ta_moe", "--moe-gate-sync", "average:50", "--moe-jitter-eps", "0.01",
+        "--moe-z-loss-coeff", "0.001"]
     with pytest.raises(SystemExit, match="exchange-mb"):
         config_flags("ta_moe:local+exchange-mb")
     # --train-args come after the bench's model, so argparse keeps theirs

@@ -26,7 +26,6 @@ from megamoe_plugin.gates import Gate, register_gate
     (dict(expert_parallel_size=3, num_experts=6, world_size=4), "--moe-expert-parallel-size"),
     (dict(num_experts="eight"), "--moe-num-experts"),
     (dict(jitter_eps=1.5), "--moe-jitter-eps"),
-    (dict(ta_moe_smoothing=2.0), "--moe-ta-moe-smoothing"),
     (dict(num_experts=0), "--moe-num-experts"),
 ])
 def test_invalid_values_name_the_option(kwargs, flag):
@@ -61,7 +60,8 @@ def test_layer_rejects_group_size_mismatch():
 
 def test_every_option_has_help_and_type():
     opts = list(iter_options())
-    assert len(opts) > 20
+    # a new option has to displace one: the measured mechanisms and the papers' features fit in 55
+    assert 20 < len(opts) <= 55, [o["name"] for o in opts]
     for o in opts:
         assert o["help"] and o["type"] in (int, float, bool, str) and o["flag"].startswith("--moe-")
         assert isinstance(o["default"], o["type"])

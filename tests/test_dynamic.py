@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from megamoe_plugin.config import ConfigError, MoEConfig
-from megamoe_plugin.dynamic import AssignmentCache, CachePolicy, DynamicCapacityPolicy, DynamicRuntime
+from megamoe_plugin.dynamic import (AssignmentCache, CachePolicy, DynamicCapacityPolicy, DynamicRuntime,
+                                    DynamicSettings)
 from megamoe_plugin.layer import MoELayer
 
 E, H, T = 8, 16, 1024
@@ -58,7 +59,7 @@ def test_dynamic_capacity_beats_static_on_drifting_routing():
     drop_nd, rows_nd = _run(nodrop, steps)
     assert drop_nd == 0 and drop_cf1 > 0
 
-    dyn = _layer(capacity_policy="dynamic", recompile_delta_launch=1)      # default headroom, smoothing, band
+    dyn = _layer(capacity_policy="dynamic")                 # default headroom, smoothing, band, delta_launch 1
     rt = DynamicRuntime(dyn.cfg, {0: dyn})
     drop_dyn, rows_dyn = _run(dyn, steps, rt)
     m = rt.metrics()
@@ -109,8 +110,8 @@ def test_capacity_quantile_grows_an_expert_that_overflows_often_below_its_averag
     again.load_state_dict(quant.state_dict())
     assert again.history[0].tolist() == [[100., 100.], [100., 80.], [100., 115.]]
     assert again.decide(0, torch.tensor([100., 115.])) == quant.decide(0, torch.tensor([100., 115.]))
-    with pytest.raises(ConfigError, match="--moe-capacity-quantile"):
-        MoEConfig(capacity_quantile=1.0)
+    with pytest.raises(ValueError, match="quantile=1.0"):
+        DynamicSettings(quantile=1.0)
 
 
 def test_dynamic_config_errors_name_the_flag():
@@ -118,17 +119,23 @@ def test_dynamic_config_errors_name_the_flag():
         MoEConfig(capacity_policy="dynamic")                   # dropless has no capacity
     with pytest.raises(ConfigError, match="--moe-assignment-cache-off"):
         MoEConfig(assignment_cache_on=0.8, assignment_cache_off=0.9)
-    with pytest.raises(ConfigError, match="--moe-recompile-delta-launch"):
-        MoEConfig(recompile_delta_launch=-1)
+    with pytest.raises(ValueError, match="delta_launch=-1"):
+        DynamicSettings(delta_launch=-1)
     with pytest.raises(ConfigError, match="--moe-expert-graph"):
         MoEConfig(expert_graph="compile")
 
 
 # --- sample-assignment caching ---------------------------------------------------------------------------------------
+LM_SETTINGS = DynamicSettings(delta_launch=0)
+
+
+def _lm_runtime(layer, settings=LM_SETTINGS):
+    return DynamicRuntime(layer.cfg, {0: layer}, positions=6, settings=settings)
+
+
 def _lm_layer(**kw):
-    kw = dict(dict(recompile_delta_launch=0), **kw)
     cfg = MoEConfig(num_experts=4, top_k=2, gate="naive", aux_loss_coeff=0.01, assignment_cache=True,
-                    assignment_cache_positions=6, assignment_cache_min_epoch=2, **kw)
+                    assignment_cache_min_epoch=2, **kw)
     torch.manual_seed(0)
     return MoELayer(cfg, H, 32)
 
@@ -156,7 +163,7 @@ def _epochs(layer, rt, data, epochs, opt=None, perturb_at=None, batch=4, first_e
 def test_cache_turns_on_with_a_frozen_gate_and_off_after_perturbing_it():
     layer = _lm_layer()
     layer.gate.weight.requires_grad_(False)                   # a frozen gate: nothing is ever reassigned
-    rt = DynamicRuntime(layer.cfg, {0: layer})
+    rt = _lm_runtime(layer)
     data = torch.randn(16, 6, H)
     opt = torch.optim.SGD(layer.experts.parameters(), lr=0.1)
     _epochs(layer, rt, data, 3, opt)
@@ -173,7 +180,7 @@ def test_cache_turns_on_with_a_frozen_gate_and_off_after_perturbing_it():
 
 def test_outputs_with_cache_equal_cached_assignment_applied_by_hand():
     layer = _lm_layer(dispatch="capacity", capacity_factor=1.0, min_capacity=1)
-    rt = DynamicRuntime(layer.cfg, {0: layer})
+    rt = _lm_runtime(layer)
     data = torch.randn(8, 6, H)
     ids = torch.arange(4, 8)
     rt.cache.set_batch(ids, 6, epoch=1)
@@ -231,11 +238,10 @@ def _train(layer, rt, data, schedule, first_step):
 
 def test_runtime_state_round_trip_keeps_pending_decisions_policies_and_cache():
     kw = dict(dispatch="capacity", capacity_factor=1.0, min_capacity=1, capacity_policy="dynamic",
-              recompile_delta_launch=3, capacity_min_interval=1, capacity_quantum=1, capacity_hysteresis=0.0,
-              capacity_smoothing=0.0, assignment_cache_on=0.0,
-              assignment_cache_off=0.0)
+              assignment_cache_on=0.0, assignment_cache_off=0.0)
+    settings = DynamicSettings(delta_launch=3, min_interval=1, quantum=1, hysteresis=0.0, smoothing=0.0)
     layer = _lm_layer(**kw)
-    rt = DynamicRuntime(layer.cfg, {0: layer})
+    rt = _lm_runtime(layer, settings)
     data = torch.randn(16, 6, H, generator=torch.Generator().manual_seed(3))
     plan = _schedule(16, 4, 6)
     cut = 14                                                       # mid-epoch 4, with decisions in flight
@@ -249,7 +255,7 @@ def test_runtime_state_round_trip_keeps_pending_decisions_policies_and_cache():
 
     resumed = _lm_layer(**kw)
     resumed.load_state_dict(saved["layer"])
-    rt2 = DynamicRuntime(resumed.cfg, {0: resumed})
+    rt2 = _lm_runtime(resumed, settings)
     rt2.load_state_dict(saved["dynamic"])
     assert resumed.expert_capacity == layer.expert_capacity and rt2.cache.cached_calls == rt.cache.cached_calls
     hist_len = len(rt.recompiler.history)
@@ -299,7 +305,7 @@ def test_cache_policy_thresholds_and_min_epoch():
 
 def test_cache_errors_name_the_value():
     c = AssignmentCache(2, 4, 8)
-    with pytest.raises(ValueError, match="--moe-assignment-cache-positions=4"):
+    with pytest.raises(ValueError, match="positions per sample it was made for, 4"):
         c.set_batch([0, 1], 5)
     with pytest.raises(ValueError, match="layout"):
         c.set_batch([0, 1], 4, layout="xy")

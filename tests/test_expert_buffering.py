@@ -170,11 +170,12 @@ def test_random_sequences_match_reference_and_invariants():
 # --- buffered inference on real layers ---------------------------------------------------------------------------
 def _layer(E, H=16, F=24, activation="gelu", bias=False, lanes=0, ep=1, group=None, seed=0):
     cfg = MoEConfig(num_experts=E, top_k=2, gate="gshard", second_expert_policy="all", dispatch="dropless",
-                    activation=activation, expert_bias=bias, cpu_expert_lanes=lanes,
+                    activation=activation, linear_bias=bias,
                     expert_parallel_size=ep, world_size=ep,
                     expert_kernel="loop")          # the buffered bank's kernel: outputs compare bitwise
     torch.manual_seed(seed)
     layer = MoELayer(cfg, H, F, ep_group=group)
+    layer.experts.cpu_lanes = lanes
     if bias:
         with torch.no_grad():
             for p in (layer.experts.b1, layer.experts.b2):

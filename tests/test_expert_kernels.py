@@ -22,7 +22,7 @@ def _pair(cfg, H=16, F=24, dtype=torch.float32, seed=0, group=None, bias=False):
     layers = []
     for kernel in ("loop", "grouped_mm"):
         torch.manual_seed(seed)
-        layer = MoELayer(cfg.replace(expert_kernel=kernel, expert_bias=bias), H, F, ep_group=group).to(dtype).train()
+        layer = MoELayer(cfg.replace(expert_kernel=kernel, linear_bias=bias), H, F, ep_group=group).to(dtype).train()
         if bias:
             with torch.no_grad():
                 torch.manual_seed(seed + 1)
@@ -159,10 +159,10 @@ def test_bf16_layer_grouped_mm_close_to_fp32_loop():
 
 
 def test_bf16_loop_kernel_runs_on_any_cpu_and_stays_close_to_fp32():
-    """The loop kernel in bf16 with --moe-cpu-gemm auto: oneDNN where its linear kernel runs bf16 on this CPU (it
+    """The loop kernel in bf16 with its CPU GEMM library chosen automatically: oneDNN where its linear kernel runs bf16 on this CPU (it
     needs AVX-512 or AMX), BLAS otherwise; either way forward and backward run and stay within bf16's error."""
     from megamoe_plugin.experts.loop import onednn_available
-    cfg = MoEConfig(num_experts=6, top_k=2, gate="naive", expert_kernel="loop", cpu_gemm="auto")
+    cfg = MoEConfig(num_experts=6, top_k=2, gate="naive", expert_kernel="loop")
     torch.manual_seed(5)
     ref = MoELayer(cfg, 16, 24).train()
     torch.manual_seed(5)
@@ -179,7 +179,7 @@ def test_bf16_loop_kernel_runs_on_any_cpu_and_stays_close_to_fp32():
 
 def test_onednn_forced_where_it_cannot_run_the_dtype_names_the_flag(monkeypatch):
     """A CPU whose oneDNN cannot create the bf16 primitive (stood in for by the per-dtype probe's answer, since
-    this machine's CPU is what it is): auto falls back to BLAS, --moe-cpu-gemm onednn says why and what to use."""
+    this machine's CPU is what it is): auto falls back to BLAS, a forced onednn says why and what to use."""
     from megamoe_plugin.experts import loop
     if loop._ONEDNN_LINEAR is None:
         pytest.skip("this torch build has no oneDNN linear kernel")
@@ -187,7 +187,7 @@ def test_onednn_forced_where_it_cannot_run_the_dtype_names_the_flag(monkeypatch)
     x = torch.zeros(4, 8, dtype=torch.bfloat16)
     assert loop._use_onednn(x, "auto") is False
     assert loop._use_onednn(x.float(), "auto") is loop.onednn_available(torch.float32)
-    with pytest.raises(RuntimeError, match="--moe-cpu-gemm=onednn: oneDNN's linear kernel does not run "
+    with pytest.raises(RuntimeError, match="cpu_gemm='onednn': oneDNN's linear kernel does not run "
                                            "torch.bfloat16 on this CPU"):
         loop._use_onednn(x, "onednn")
 
@@ -372,6 +372,6 @@ def test_lanes_follow_the_budget(monkeypatch):
         assert _lanes_for(x, groups, w1, 0) == 2
         monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")             # two ranks on these two cores: one lane each
         assert _lanes_for(x, groups, w1, 0) == 1
-        assert _lanes_for(x, groups, w1, 2) == 2                # an explicit --moe-cpu-expert-lanes is obeyed
+        assert _lanes_for(x, groups, w1, 2) == 2                # an explicit lane count is obeyed
     finally:
         torch.set_num_threads(threads)

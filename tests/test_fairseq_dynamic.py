@@ -160,12 +160,9 @@ def test_cache_keys_follow_fairseq_token_layout(tmp_path):
     torch.testing.assert_close(y_cached, y_plain, rtol=1e-5, atol=1e-5)
     dyn.close()
 
-    # --add-bos-token makes samples one token longer; an explicit shorter positions value is refused
+    # --add-bos-token makes samples one token longer
     from megamoe_plugin.fairseq_adapter.dynamic import sequence_positions
     assert sequence_positions(NS(task=NS(tokens_per_sample=12, add_bos_token=True)), model)[0] == 13
-    model.moe_config = model.moe_config.replace(assignment_cache_positions=8)
-    with pytest.raises(ConfigError, match="--moe-assignment-cache-positions=8 .*--tokens-per-sample=12"):
-        _dynamic(args, model)
 
 
 def test_cache_refused_for_encoder_decoder_models(tmp_path):
@@ -194,7 +191,7 @@ def test_two_ranks_dynamic_capacity_with_dummy_batches(tiny_lm, tmp_path):
     # 3 batches per epoch: rank 0 runs two, rank 1 one and fairseq's dummy batch (a copy of the first batch, no
     # gradient); every rank does 2 updates per epoch, 4 epochs
     common = [*DIST, "--moe-gate", "gshard", "--moe-dispatch", "capacity", "--moe-capacity-policy", "dynamic",
-              "--moe-capacity-quantum", "4", "--moe-assignment-cache", "--batch-size", str(math.ceil(n / 3)),
+              "--moe-assignment-cache", "--batch-size", str(math.ceil(n / 3)),
               "--required-batch-size-multiple", "1"]
     _, out = fairseq_cli("train", lm_args(data, tmp_path / "ck", 8, *common), nproc=2)
     rows = updates(out)
@@ -301,7 +298,8 @@ def test_assignment_cache_switches_on_when_assignments_converge(tiny_lm, tmp_pat
 
 @pytest.mark.parametrize("flags, needle", [
     (["--moe-capacity-policy", "dynamic"], "--moe-capacity-policy"),          # dropless dispatch has no capacity
-    (["--moe-assignment-cache", "--moe-assignment-cache-positions", "32"], "--moe-assignment-cache-positions=32"),
+    (["--moe-assignment-cache", "--moe-assignment-cache-on", "0.5", "--moe-assignment-cache-off", "0.8"],
+     "--moe-assignment-cache-off"),
 ])
 def test_bad_dynamic_settings_stop_before_training(tiny_lm, tmp_path, flags, needle):
     code, out = fairseq_cli("train", lm_args(tiny_lm[0], tmp_path / "ck", 2, *flags), check=False)

@@ -48,7 +48,7 @@ def updates(out):
 
 
 def _cfg(**kw):
-    base = dict(num_experts=4, top_k=2, gate="naive", activation="relu", expert_bias=True)
+    base = dict(num_experts=4, top_k=2, gate="naive", activation="relu", linear_bias=True)
     base.update(kw)
     return MoEConfig(**base)
 

@@ -9,10 +9,11 @@ from megamoe_plugin.gates import registered_gates
 GATE_K = {"naive": 3, "switch": 1, "gshard": 2, "hir": 2, "ta_moe": 2}
 
 
-def _check(cfg, activation_bias=("gelu", False), T=37, H=12, F=20, seed=0):
+def _check(cfg, activation_bias=("gelu", False), T=37, H=12, F=20, seed=0, lanes=0):
     torch.manual_seed(seed)
-    cfg = cfg.replace(activation=activation_bias[0], expert_bias=activation_bias[1])
+    cfg = cfg.replace(activation=activation_bias[0], linear_bias=activation_bias[1])
     layer = MoELayer(cfg, H, F).double().train()
+    layer.experts.cpu_lanes = lanes
     if layer.experts.b1 is not None:
         torch.nn.init.normal_(layer.experts.b1); torch.nn.init.normal_(layer.experts.b2)
     x = torch.randn(T, H, dtype=torch.float64, requires_grad=True)
@@ -54,9 +55,9 @@ def test_activations_and_bias(act_bias):
 def test_cpu_expert_lanes_match_reference(lanes):
     # experts spread over CPU lanes (threads) must compute exactly what the sequential loop computes
     torch.set_num_threads(2)
-    cfg = MoEConfig(num_experts=6, top_k=2, gate="naive", cpu_expert_lanes=lanes)
-    _check(cfg, T=64)
-    _check(cfg.replace(dispatch="capacity", capacity_factor=0.8), ("swiglu", True), T=64)
+    cfg = MoEConfig(num_experts=6, top_k=2, gate="naive")
+    _check(cfg, T=64, lanes=lanes)
+    _check(cfg.replace(dispatch="capacity", capacity_factor=0.8), ("swiglu", True), T=64, lanes=lanes)
 
 
 def test_all_builtin_gates_are_covered():
@@ -70,9 +71,10 @@ def test_onednn_gemms_match_blas_in_fp32(act_bias, lanes):
     if not onednn_available():
         pytest.skip("this torch build has no oneDNN linear kernel")
     torch.manual_seed(0)
-    cfg = MoEConfig(num_experts=6, top_k=2, gate="naive", activation=act_bias[0], expert_bias=act_bias[1],
-                    cpu_expert_lanes=lanes)
-    blas, dnn = MoELayer(cfg.replace(cpu_gemm="blas"), 32, 48), MoELayer(cfg.replace(cpu_gemm="onednn"), 32, 48)
+    cfg = MoEConfig(num_experts=6, top_k=2, gate="naive", activation=act_bias[0], linear_bias=act_bias[1])
+    blas, dnn = MoELayer(cfg, 32, 48), MoELayer(cfg, 32, 48)
+    for layer, gemm in ((blas, "blas"), (dnn, "onednn")):
+        layer.experts.cpu_lanes, layer.experts.cpu_gemm = lanes, gemm
     dnn.load_state_dict(blas.state_dict())
     if act_bias[1]:
         with torch.no_grad():

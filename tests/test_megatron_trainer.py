@@ -107,7 +107,7 @@ def test_smart_schedule_in_megatron_matches_plain(cache):
     layer with EP=2: the same losses as the plain all-to-all schedule."""
     layout = ["--expert-model-parallel-size", "2", "--train-iters", "3"]
     plain, _ = run(2, layout, cache)
-    smart, out = run(2, [*layout, "--moe-plugin-schedule", "smart", "--moe-plugin-smart-groups", "2"], cache)
+    smart, out = run(2, [*layout, "--moe-plugin-schedule", "smart:2"], cache)
     assert sorted(smart) == [1, 2, 3], out[-3000:]
     assert smart[1] == plain[1]                        # forward of the first step: bitwise the same
     for it in (2, 3):

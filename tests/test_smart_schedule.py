@@ -36,11 +36,11 @@ class SkewedGate(Gate):
 
 def _layers(world, groups, dtype, activation, bias, topology=""):
     base = MoEConfig(num_experts=2 * world, top_k=2, gate="test_smart_skewed", world_size=world,
-                     expert_parallel_size=world, activation=activation, expert_bias=bias, aux_loss_coeff=0.01,
+                     expert_parallel_size=world, activation=activation, linear_bias=bias, aux_loss_coeff=0.01,
                      topology=topology)
     torch.manual_seed(7)
     plain = [MoELayer(base, 16, 24, ep_group=dist.group.WORLD, layer_id=i).to(dtype) for i in range(2)]
-    smart_cfg = base.replace(schedule="smart", smart_groups=groups)
+    smart_cfg = base.replace(schedule={0: "smart", -1: "smart:node"}.get(groups, f"smart:{groups}"))
     smart = [MoELayer(smart_cfg, 16, 24, ep_group=dist.group.WORLD, layer_id=i).to(dtype) for i in range(2)]
     for p, s in zip(plain, smart):
         with torch.no_grad():
@@ -146,9 +146,8 @@ def test_one_rank_is_the_plain_path():
 @pytest.mark.parametrize("kwargs, flag", [
     (dict(schedule="fast"), "--moe-schedule"),
     (dict(schedule="smart", dispatch="capacity"), "--moe-schedule"),
-    (dict(smart_groups=-2), "--moe-smart-groups"),
-    (dict(schedule="smart", smart_groups=3, num_experts=8, expert_parallel_size=4, world_size=4),
-     "--moe-smart-groups"),
+    (dict(schedule="smart:-2"), "--moe-schedule"),
+    (dict(schedule="smart:3", num_experts=8, expert_parallel_size=4, world_size=4), "--moe-schedule"),
 ])
 def test_invalid_schedule_options_name_the_flag(kwargs, flag):
     with pytest.raises(ConfigError) as err:
@@ -160,10 +159,10 @@ def test_groups_from_flag_and_topology():
     cfg = MoEConfig(num_experts=8, world_size=4, expert_parallel_size=4, schedule="smart", topology="[[0,1],[2,3]]")
     ep4 = ExpertParallel.layout(0, [0, 1, 2, 3])
     assert schedule_groups(cfg, ep4) == [[0], [1], [2], [3]]                           # default: one per rank
-    cfg = cfg.replace(smart_groups=-1)
+    cfg = cfg.replace(schedule="smart:node")
     assert schedule_groups(cfg, ep4) == [[0, 1], [2, 3]]                              # one group per node
-    assert schedule_groups(cfg.replace(smart_groups=2), ep4) == [[0, 1], [2, 3]]
-    assert schedule_groups(cfg.replace(smart_groups=1), ep4) == [[0, 1, 2, 3]]
+    assert schedule_groups(cfg.replace(schedule="smart:2"), ep4) == [[0, 1], [2, 3]]
+    assert schedule_groups(cfg.replace(schedule="smart:1"), ep4) == [[0, 1, 2, 3]]
     cross = ExpertParallel.layout(0, [0, 2])          # an EP group spanning the two nodes
     assert schedule_groups(cfg.replace(expert_parallel_size=2), cross) == [[0], [1]]
     inside = ExpertParallel.layout(0, [2, 3])         # an EP group inside node 1

@@ -3,6 +3,7 @@ import torch
 
 from megamoe_plugin import MoEConfig
 from megamoe_plugin.gates import build_gate, target_dispatch_pattern
+from megamoe_plugin.gates import ta_moe as ta_moe_gate
 from megamoe_plugin.parallel import ExpertParallel
 
 
@@ -11,10 +12,11 @@ def _rank_fractions(routing, experts_per_rank, ranks):
     return per_expert.view(ranks, experts_per_rank).sum(1)
 
 
-def test_gate_training_moves_dispatch_toward_target():
+def test_gate_training_moves_dispatch_toward_target(monkeypatch):
+    monkeypatch.setattr(ta_moe_gate, "SMOOTHING", 0.0)           # the unsmoothed target, exactly
     torch.manual_seed(0)
     cfg = MoEConfig(gate="ta_moe", num_experts=8, top_k=2, world_size=4, topology="[[0,1],[2,3]]",
-                    topology_bandwidth_gbps="4,1", topology_latency_us="0,0", ta_moe_smoothing=0.0,
+                    topology_bandwidth_gbps="4,1", topology_latency_us="0,0",
                     aux_loss_coeff=1.0, expert_parallel_size=4)
     gate = build_gate(cfg, 32, ep=ExpertParallel.layout(0, [0, 1, 2, 3]))
     target = target_dispatch_pattern(cfg.build_topology(), smoothing=0.0)[0]

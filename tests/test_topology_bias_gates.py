@@ -8,6 +8,7 @@ import torch
 from megamoe_plugin.config import ConfigError, MoEConfig
 from megamoe_plugin.gate_sync import rank_state, rank_state_for, load_rank_state
 from megamoe_plugin.gates import build_gate, gate_warnings
+from megamoe_plugin.gates import ta_moe as ta_moe_gate
 from megamoe_plugin.gates.balance import end_global_batch, end_sender_batches
 from megamoe_plugin.parallel import ExpertParallel
 
@@ -16,12 +17,18 @@ TWO_BY_TWO = dict(num_experts=8, top_k=2, world_size=4, topology="[[0,1],[2,3]]"
                   load_balancing_type="none")
 
 
+@pytest.fixture(autouse=True)
+def unsmoothed_target(monkeypatch):
+    """The gates of this file steer toward the unsmoothed target pattern (exact shares by hand)."""
+    monkeypatch.setattr(ta_moe_gate, "SMOOTHING", 0.0)
+
+
 def _bias_gates(rate=1e-3, hidden=32, **over):
     """Four senders (ranks 0-3 of one EP group) with one router weight and one shared expert bias, as on four
     data-parallel ranks after the bias's all-reduce."""
     gates = []
     for me in range(4):
-        cfg = MoEConfig(gate="ta_moe", ta_moe_smoothing=0.0, router_bias_update_rate=rate, **{**TWO_BY_TWO, **over})
+        cfg = MoEConfig(gate="ta_moe", router_bias_update_rate=rate, **{**TWO_BY_TWO, **over})
         g = build_gate(cfg, hidden, ep=ExpertParallel.layout(me, [0, 1, 2, 3]))
         g.train()
         if gates:

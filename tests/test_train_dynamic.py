@@ -15,7 +15,7 @@ TINY = ["--hidden", "32", "--layers", "2", "--heads", "2", "--ffn-hidden", "64",
         "--batch-size", "8", "--corpus-bytes", "4000", "--threads", "1", "--eval-interval", "0",
         "--eval-batches", "2", "--moe-every", "1", "--log-interval", "13", "--warmup", "3",
         "--moe-num-experts", "4", "--moe-top-k", "2", "--moe-gate", "naive", "--moe-dispatch", "capacity",
-        "--moe-capacity-policy", "dynamic", "--moe-capacity-min-interval", "3", "--moe-assignment-cache",
+        "--moe-capacity-policy", "dynamic", "--moe-assignment-cache",
         "--moe-assignment-cache-on", "0", "--moe-assignment-cache-off", "0", "--moe-assignment-cache-min-epoch", "2"]
 DYN_RE = re.compile(r"\| dynamic cf ([\d.]+) drop ([\d.]+) recompiles (\d+) cache (on|off)")
 
@@ -49,11 +49,6 @@ def test_megamoe_train_runs_dynamic_capacity_and_caching_and_resumes_the_same_ru
     assert resumed.dynamic["recompilations"] == straight.dynamic["recompilations"]
     for name, value in resumed.model.state_dict().items():
         assert torch.equal(value, straight.model.state_dict()[name]), name
-
-
-def test_assignment_cache_positions_too_short_is_a_clear_error(capsys):
-    with pytest.raises(ValueError, match="--moe-assignment-cache-positions"):
-        train.main(TINY + ["--steps", "2", "--moe-assignment-cache-positions", "16"])
 
 
 def test_max_train_samples_gives_short_epochs_and_metrics_json_carries_the_cache(tmp_path):

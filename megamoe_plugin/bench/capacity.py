@@ -48,7 +48,7 @@ CONFIGS = {
     "CF=3.0": CAPACITY + ["--moe-capacity-factor", "3.0"],
     "CF=4.0": CAPACITY + ["--moe-capacity-factor", "4.0"],
     "dynamic": CAPACITY + ["--moe-capacity-policy", "dynamic"],
-    "dynamic q=0.9": CAPACITY + ["--moe-capacity-policy", "dynamic", "--moe-capacity-quantile", "0.9"],
+    "dynamic q=0.9": CAPACITY + ["--moe-capacity-policy", "quantile"],
     "dynamic+cache": CAPACITY + ["--moe-capacity-policy", "dynamic", "--moe-assignment-cache"],
     "dropless": [],
 }

@@ -15,7 +15,7 @@ its MoE layers in capacity dispatch (GShard drop rule; padded per-expert buffers
   steps run at the config's CF = 1 until the first decision lands;
 - ``dynamic spread=0``: the same policy covering only the 20% headroom, not the jitter (a second point of the dynamic
   curve; Fig. 9 plots policies of different average factors);
-- ``dynamic q=0.9``: the same policy with ``capacity_quantile`` 0.9: each expert's capacity is the 0.9-quantile of
+- ``dynamic q=0.9``: ``capacity_policy="quantile"``: each expert's capacity is the 0.9-quantile of
   its demand over the last 32 steps, grown as soon as that quantile exceeds it (the average rule grows an expert only
   once it drops on average);
 - ``dynamic+cache``: ``dynamic`` plus sample-assignment caching (§4.2) with the paper's thresholds (on at >= 96% of
@@ -66,6 +66,7 @@ from ..config import MoEConfig
 from ..cpu_alloc import retain_freed_memory
 from ..data import build_corpus
 from ..dynamic.runtime import DynamicRuntime, dynamic_enabled
+from ..dynamic.settings import DynamicSettings
 from ..layer import collect_aux_loss, moe_layers
 from ..models import TinyMoEGPT
 from ..train import clip_grad_norm, lr_at
@@ -79,17 +80,17 @@ SETTINGS = {   # default (< 6 min on 2 cores) and --quick (the test, < 60 s)
 }
 
 
-def run_specs(E: int, k: int, seq_len: int, min_epoch: int = 2, cache_on: float = 0.96,
+def run_specs(E: int, k: int, min_epoch: int = 2, cache_on: float = 0.96,
               cache_off: float = 0.90) -> List[tuple]:
-    """(name, MoEConfig overrides) of the eight runs."""
-    dyn = dict(capacity_policy="dynamic")
-    return [("static CF=1", dict(capacity_factor=1.0)), ("static CF=2", dict(capacity_factor=2.0)),
-            ("static CF=4", dict(capacity_factor=4.0)), ("static no-drop", dict(capacity_factor=E / k)),
-            ("dynamic", dyn), ("dynamic spread=0", dict(dyn, capacity_spread=0.0)),
-            ("dynamic q=0.9", dict(dyn, capacity_quantile=0.9)),
+    """(name, MoEConfig overrides, DynamicSettings) of the eight runs."""
+    dyn, default = dict(capacity_policy="dynamic"), DynamicSettings()
+    return [("static CF=1", dict(capacity_factor=1.0), default), ("static CF=2", dict(capacity_factor=2.0), default),
+            ("static CF=4", dict(capacity_factor=4.0), default),
+            ("static no-drop", dict(capacity_factor=E / k), default),
+            ("dynamic", dyn, default), ("dynamic spread=0", dyn, DynamicSettings(spread=0.0)),
+            ("dynamic q=0.9", dict(capacity_policy="quantile"), default),
             ("dynamic+cache", dict(dyn, assignment_cache=True, assignment_cache_min_epoch=min_epoch,
-                                   assignment_cache_on=cache_on, assignment_cache_off=cache_off,
-                                   assignment_cache_positions=seq_len))]
+                                   assignment_cache_on=cache_on, assignment_cache_off=cache_off), default)]
 
 
 def sequences(corpus, split: str, n: int, seq_len: int) -> torch.Tensor:
@@ -148,7 +149,8 @@ class LayerClock:
 
 
 class Run:
-    def __init__(self, name: str, cfg: MoEConfig, vocab: int, s: dict, seed: int, steps: int):
+    def __init__(self, name: str, cfg: MoEConfig, vocab: int, s: dict, seed: int, steps: int,
+                 settings: DynamicSettings = DynamicSettings()):
         self.name, self.cfg, self.steps, self.s = name, cfg, steps, s
         torch.manual_seed(seed)                           # the same initial weights in every run
         self.model = TinyMoEGPT(cfg, vocab, hidden=s["hidden"], heads=s["heads"], layers=s["layers"],
@@ -158,7 +160,8 @@ class Run:
         self.opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}],
                                      lr=s["lr"], betas=(0.9, 0.95))
         layers = moe_layers(self.model)
-        self.rt = DynamicRuntime(cfg, {m.layer_id: m for m in layers}) if dynamic_enabled(cfg) else None
+        self.rt = DynamicRuntime(cfg, {m.layer_id: m for m in layers}, positions=s["seq_len"],
+                                 settings=settings) if dynamic_enabled(cfg) else None
         self.clock = LayerClock(layers)
         self.step_s: List[float] = []
         self.moe_fwd_s: List[float] = []
@@ -186,7 +189,7 @@ class Run:
         self.opt.step()
         if self.rt is not None:
             self.rt.after_step(step)
-            if self.cfg.capacity_policy == "dynamic":
+            if self.cfg.dynamic_capacity:
                 self.capacity_trace.append(list(self.first_moe.plan.expert_capacity or []))
                 avg = self.rt.capacity_policy.average.get(self.first_moe.layer_id)
                 self.demand_trace.append([] if avg is None else avg.tolist())
@@ -265,8 +268,8 @@ def run(s: dict, seed: int = 0, threads: int = 0, log=print, min_epoch: int = 2,
     steps = spe * s["epochs"]
     warmup = max(steps // 10, 1)
     base = dict(num_experts=s["experts"], top_k=1, gate="switch", aux_loss_coeff=0.01, dispatch="capacity")
-    runs = [Run(name, MoEConfig(**base, **over), corpus.vocab_size, s, seed, steps)
-            for name, over in run_specs(s["experts"], 1, s["seq_len"], min_epoch, cache_on, cache_off)
+    runs = [Run(name, MoEConfig(**base, **over), corpus.vocab_size, s, seed, steps, settings)
+            for name, over, settings in run_specs(s["experts"], 1, min_epoch, cache_on, cache_off)
             if only is None or name in only]
     log(f"bench dynamic: {len(runs)} runs x {steps} steps ({s['epochs']} epochs of {spe} steps, {s['samples']} "
         f"sequences of {s['seq_len']} bytes, batch {s['batch']}), {threads} thread(s); interleaved step by step")

@@ -10,7 +10,8 @@ a fixed-speed device by default (``--cpu-share auto``: its own CPU cgroup). ``--
 per seed (the configs of a seed interleaved) and summarises, per config, the medians over seeds of its ratios to the
 baseline of the same seed (``seed_summary``; ``--report`` prints that as markdown, ``--figure`` plots the losses);
 without it, ``--train-rounds`` rounds interleaved (the row is the round with the median step). A configuration may
-carry gate options after ``+`` (``ta_moe:local+ta-moe-smoothing=0.3`` adds ``--moe-ta-moe-smoothing 0.3``;
+carry gate options after ``+`` (``ta_moe:local+router-bias-update-rate=0.01`` adds
+``--moe-router-bias-update-rate 0.01``;
 ``=true`` / ``=false`` for a switch), and ``--train-args`` changes the model or data for every run
 (``"--batch-size 16 --moe-every 2"``). Per run:
 

@@ -33,7 +33,7 @@ How.
   when the storage is freed. The peak of that total is the activation memory: bytes of tensors allocated during
   the forward and alive at the same time; parameters and the input batch existed before and are not counted
   (the paper's "dynamic memory", Fig. 10's bright bars). Not seen: scratch memory a kernel allocates inside
-  itself, and ops run on other threads: the memory pass runs the experts on one lane (``cpu_expert_lanes`` 1) so
+  itself, and ops run on other threads: the memory pass runs the experts on one lane (``ExpertBank.cpu_lanes`` 1) so
   that all of it is on the measuring thread. (torch.profiler's CPU memory events were tried and missed
   allocations here.) The MoE column is the largest rise of the live total inside one MoE FFN call above its value
   at the call's start: what dispatch, experts and combine allocate (masks and padded buffers included).

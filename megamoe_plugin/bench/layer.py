@@ -2,7 +2,7 @@
 
 Implementations (all compute the same function of the same x, router weight and expert weights):
 - ``ours dropless``: MoELayer, dynamic gating (argsort + contiguous groups, no capacity); its expert GEMMs use
-  oneDNN's kernel where available (``--moe-cpu-gemm auto``); ``ours dropless, BLAS GEMMs`` is the same layer with
+  oneDNN's kernel where available (the bank's ``cpu_gemm`` "auto"); ``ours dropless, BLAS GEMMs`` is the same layer with
   torch.mm (the BLAS every other row uses), to show what the kernel choice alone is worth.
 - ``ours capacity CF=c``: MoELayer in capacity mode (GShard drop rule, padded per-expert buffers).
 - ``megatron-core``: megatron-core's own MoELayer (dropless, alltoall dispatcher, SequentialMLP), built on CPU

@@ -16,13 +16,14 @@ def ours(x, wg, w1, w2, k, dispatch="dropless", cf=1.0, cpu_gemm="auto", kernel=
     ``router``: megatron-core router fields (layer_inputs.ROUTERS), read as ``--moe-plugin`` reads them."""
     E, H, F_ = w1.shape
     cfg = MoEConfig(num_experts=E, top_k=k, gate="naive", dispatch=dispatch, capacity_factor=cf, min_capacity=0,
-                    aux_loss_coeff=0.0, cpu_gemm=cpu_gemm, expert_kernel=kernel)
+                    aux_loss_coeff=0.0, expert_kernel=kernel)
     if router:
         from types import SimpleNamespace
         from ..megatron_adapter.args import config_from_megatron
         cfg = config_from_megatron(SimpleNamespace(num_experts=E, moe_router_topk=k, moe_router_dtype="fp32",
-                                                   **router), world_size=1, cpu_gemm=cpu_gemm, expert_kernel=kernel)
+                                                   **router), world_size=1, expert_kernel=kernel)
     layer = MoELayer(cfg, H, F_)
+    layer.experts.cpu_gemm = cpu_gemm
     with torch.no_grad():
         layer.gate.weight.copy_(wg); layer.experts.w1.copy_(w1); layer.experts.w2.copy_(w2)
     layer = layer.to(device=device, dtype=dtype)

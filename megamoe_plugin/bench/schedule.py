@@ -3,13 +3,13 @@
 One MoE layer with expert parallelism over P processes (default: 2 gloo processes spawned on this machine; under
 ``torchrun --nproc_per_node P -m megamoe_plugin.bench.schedule ...`` it uses the launcher's processes instead,
 NCCL when CUDA is there). Two layers with the SAME weights and inputs: ``--moe-schedule plain`` (all-to-all,
-experts, all-to-all) and ``--moe-schedule smart --moe-smart-groups n`` (pipelined grouped pairwise exchange;
+experts, all-to-all) and ``--moe-schedule smart:n`` (pipelined grouped pairwise exchange;
 default n = P, one group per process: on one machine the topology has a single node, which would give one group
 and nothing to overlap). Before timing, one forward checks that both give the same output (max |diff| printed).
 
 Measured: forward+backward wall time of each (the slowest rank's, per round), median over ``--iters`` rounds
 after ``--warmup``; every round runs every layer (a shared machine's slow phases hit all alike). The ratio is
-plain / smart (> 1: smart faster). A third layer runs the smart code path with ONE group (``--moe-smart-groups 1``:
+plain / smart (> 1: smart faster). A third layer runs the smart code path with ONE group (``--moe-schedule smart:1``:
 one exchange, compute, one return, nothing to overlap): plain / that ratio separates what the implementation
 itself costs or saves (point-to-point instead of all_to_all_single, chunk bookkeeping) from the overlap.
 
@@ -164,8 +164,8 @@ def run(args, group=None) -> Optional[dict]:
     cfg = MoEConfig(num_experts=E, top_k=k, gate="naive", expert_parallel_size=P, world_size=P, aux_loss_coeff=0.0)
     torch.manual_seed(1000 + rank)                       # each rank its own experts
     plain = MoELayer(cfg, H, F_, ep_group=group, device=device)
-    smart = MoELayer(cfg.replace(schedule="smart", smart_groups=n), H, F_, ep_group=group, device=device)
-    single = MoELayer(cfg.replace(schedule="smart", smart_groups=1), H, F_, ep_group=group, device=device)
+    smart = MoELayer(cfg.replace(schedule=f"smart:{n}"), H, F_, ep_group=group, device=device)
+    single = MoELayer(cfg.replace(schedule="smart:1"), H, F_, ep_group=group, device=device)
     x, wg = _inputs(H, E, k, T, args.routing, rank, device)
     with torch.no_grad():
         plain.gate.weight.copy_(wg)

@@ -39,7 +39,7 @@ class DispatchPlan:
         self.dropless = DroplessDispatcher(cfg.num_experts, ep)
         self.capacity_dispatch = CapacityDispatcher(cfg.num_experts, ep)
         self.smart: Optional[SmartDispatcher] = None
-        if cfg.schedule == "smart" and ep.enabled:
+        if cfg.smart_schedule and ep.enabled:
             self.smart = SmartDispatcher(cfg.num_experts, ep, schedule_groups(cfg, ep, topology))
         self.expert_capacity: Optional[List[int]] = None
         self.features: List[LayerFeature] = build_features(self)

@@ -1,8 +1,8 @@
 """Smart schedule (FasterMoE paper 003 §4.2): grouped pairwise exchange pipelined with the expert computation.
 
-The expert-parallel ranks are split into n groups (``smart_groups``: 0, the default, one group per rank, which
-pipelines the most and measured faster on the emulated cluster; -1 one group per node of the topology, the
-paper's grouping of closely connected workers). The two all-to-alls of a dropless MoE layer and the expert computation
+The expert-parallel ranks are split into n groups (``--moe-schedule smart``: one group per rank, which pipelines
+the most and measured faster on the emulated cluster; ``smart:node`` one group per node of the topology, the paper's
+grouping of closely connected workers; ``smart:N`` N groups). The two all-to-alls of a dropless MoE layer and the expert computation
 between them become 3n fine-grained operations. In step j = 0..n-1 a worker of group i
 
 - S_j: sends its tokens for the experts of group t = (i - j) mod n to them and receives the tokens of group
@@ -51,7 +51,7 @@ def schedule_groups(cfg: MoEConfig, ep: ExpertParallel, topology=None) -> List[L
     if cfg.smart_groups >= 0:
         n = cfg.smart_groups or P
         if P % n:
-            raise ConfigError(f"{flag('smart_groups')}={n}: must divide the expert-parallel size {P}")
+            raise ConfigError(f"{flag('schedule')}={cfg.schedule}: {n} groups must divide the expert-parallel size {P}")
         g = P // n
         return [list(range(i * g, (i + 1) * g)) for i in range(n)]
     topo = topology if topology is not None else cfg.build_topology()
@@ -60,7 +60,7 @@ def schedule_groups(cfg: MoEConfig, ep: ExpertParallel, topology=None) -> List[L
         rank = ep.global_rank_of(r)
         if rank >= topo.num_ranks:
             raise ConfigError(f"{flag('topology')}={topo.spec()}: has no rank {rank} (expert-parallel rank {r}); "
-                              f"give {flag('smart_groups')} or a topology of the whole job")
+                              f"use {flag('schedule')} smart or smart:N, or a topology of the whole job")
         nodes.setdefault(topo.node_of(rank), []).append(r)
     return list(nodes.values())
 

@@ -7,7 +7,7 @@ fresh choices refresh the cache for the next epoch.
 
 * Keys: a token's key is ``sample_index * positions + position``, with the sample's index in its dataset as the
   trainer's data pipeline gives it (``set_batch``): fairseq's ``sample["id"]``, the Megatron trainer's sample
-  index. ``positions`` is the sequence length (``--moe-assignment-cache-positions``).
+  index. ``positions`` is the trainer's sequence length.
 * One table per MoE layer: [keys, k] int16/int32 on the layer's device (-1 = not cached), grown on demand; memory
   is samples x positions x k x 2 bytes per layer.
 * Reassignment metric: a token of a sample last seen in an EARLIER epoch is compared with its cached assignment
@@ -32,7 +32,7 @@ __all__ = ["AssignmentCache", "CachePolicy"]
 class AssignmentCache:
     def __init__(self, top_k: int, positions: int, num_experts: int):
         if positions < 1:
-            raise ValueError(f"--moe-assignment-cache-positions must be >= 1, got {positions}")
+            raise ValueError(f"assignment cache: positions per sample (the sequence length) must be >= 1, got {positions}")
         self.top_k, self.positions, self.num_experts = top_k, positions, num_experts
         self.dtype = torch.int16 if num_experts < 2 ** 15 else torch.int32
         self.active = False                                  # switched by the policy at step boundaries
@@ -57,8 +57,8 @@ class AssignmentCache:
         if ids.size and ids.min() < 0:
             raise ValueError(f"assignment cache: sample indices must be >= 0, got {ids.min()}")
         if seq_len > self.positions:
-            raise ValueError(f"assignment cache: sequence length {seq_len} exceeds --moe-assignment-cache-positions="
-                             f"{self.positions}")
+            raise ValueError(f"assignment cache: sequence length {seq_len} exceeds the positions per sample it "
+                             f"was made for, {self.positions} (the trainer's sequence length)")
         if layout not in ("bs", "sb"):
             raise ValueError(f"assignment cache: layout must be 'bs' or 'sb', got {layout!r}")
         need = int(ids.max()) + 1 if ids.size else 0
@@ -139,7 +139,7 @@ class AssignmentCache:
     def load_state_dict(self, state: dict) -> None:
         if state["positions"] != self.positions:
             raise ValueError(f"assignment cache: checkpoint has {state['positions']} positions per sample, this run "
-                             f"{self.positions} (--moe-assignment-cache-positions)")
+                             f"{self.positions} (the sequence length)")
         self.active, self.epoch = bool(state["active"]), int(state["epoch"])
         self.tables = {int(k): v for k, v in state["tables"].items()}
         self._last_epoch = state["last_epoch"].numpy().copy()

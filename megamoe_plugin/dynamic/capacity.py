@@ -10,18 +10,18 @@ between steps, through RECOMPILE (``recompile.py``), so the shapes stay static w
   GShard's random routing of second choices is not a capacity drop), assignments and buffer rows
   (host ints: the capacities are host lists) are summed. ``take()`` hands the step's values over and resets.
 * ``DynamicCapacityPolicy`` (runs in the RECOMPILE trigger, off the training thread): per layer and expert, a
-  moving average of the demand and of its squared deviation (weight ``capacity_smoothing`` on the past); target
-  capacity = average + max(headroom x average, ``capacity_spread`` (2) x std), rounded up to a multiple of ``capacity_quantum`` and at
+  moving average of the demand and of its squared deviation (weight ``DynamicSettings.smoothing`` on the past); target
+  capacity = average + max(headroom x average, ``spread`` (2) x std), rounded up to a multiple of ``quantum`` and at
   least ``min_capacity``: the spread term covers batch-to-batch jitter, which a pure headroom does not when batches
   are small. Recompilations are bounded by asymmetry (paper §5.2: "a tolerable number of recompilations"):
   an expert whose smoothed demand exceeds its capacity (it would drop on average) is grown to its target at once,
   the others are left alone; capacities are shrunk only when the layer's rows exceed the targets' total by more
-  than ``capacity_hysteresis`` AND ``capacity_min_interval`` steps have passed since the layer's last
+  than ``hysteresis`` AND ``min_interval`` steps have passed since the layer's last
   recompilation. So shrinking recompiles at most steps / min_interval times, growing only when the smoothed demand
   rises past the headroom, and jitter inside the band changes nothing.
 
-  With ``capacity_quantile`` q > 0 the target is instead each expert's q-quantile of its demand over the last
-  ``capacity_window`` steps (at least average x (1 + headroom)), and an expert grows as soon as that quantile
+  With ``--moe-capacity-policy quantile`` (q = ``DynamicSettings.quantile``, 0.9) the target is instead each expert's q-quantile of its demand over the last
+  ``window`` steps (at least average x (1 + headroom)), and an expert grows as soon as that quantile
   exceeds its capacity. The average-based rule grows an expert only once it drops on AVERAGE, so an expert whose
   mean sits just under its capacity overflows on every above-average batch; at the same average factor that drops
   more than one flat static factor, which gives every expert the same slack. The quantile bounds each expert's
@@ -37,6 +37,8 @@ import math
 from typing import Dict, List, Optional, Sequence
 
 import torch
+
+from .settings import DynamicSettings
 
 __all__ = ["CapacityMeter", "DynamicCapacityPolicy", "capacity_metrics"]
 
@@ -111,10 +113,10 @@ class DynamicCapacityPolicy:
         self.decisions = 0
 
     @classmethod
-    def from_config(cls, cfg) -> "DynamicCapacityPolicy":
-        return cls(cfg.num_experts, cfg.capacity_headroom, cfg.capacity_smoothing, cfg.capacity_hysteresis,
-                   cfg.capacity_quantum, cfg.min_capacity, cfg.capacity_min_interval, cfg.capacity_spread,
-                   cfg.capacity_quantile, cfg.capacity_window)
+    def from_config(cls, cfg, settings: DynamicSettings = DynamicSettings()) -> "DynamicCapacityPolicy":
+        return cls(cfg.num_experts, settings.headroom, settings.smoothing, settings.hysteresis, settings.quantum,
+                   cfg.min_capacity, settings.min_interval, settings.spread,
+                   settings.quantile if cfg.capacity_policy == "quantile" else 0.0, settings.window)
 
     def state_dict(self) -> dict:
         return {"average": {k: v.clone() for k, v in self.average.items()},

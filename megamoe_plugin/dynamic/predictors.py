@@ -203,7 +203,8 @@ class PredictorMoE(nn.Module):
         self.expert_hidden, self.activation, self.inner_loss = expert_hidden, activation, inner_loss
         self.gate = build_gate(MoEConfig(num_experts=num_experts, top_k=top_k, gate=gate,
                                          normalize_top_k=normalize_top_k, aux_loss_coeff=aux_loss_coeff,
-                                         z_loss_coeff=0.0, init_std=init_std), hidden_size)
+                                         z_loss_coeff=0.0), hidden_size)
+        torch.nn.init.normal_(self.gate.weight, std=init_std)
         self.aux_loss: torch.Tensor = torch.zeros(())
         if inner is not None:
             self.inner = nn.ModuleList(inner() for _ in range(num_experts))

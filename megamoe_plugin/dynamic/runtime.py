@@ -27,12 +27,13 @@ import torch.distributed as dist
 from .assignment_cache import AssignmentCache, CachePolicy
 from .capacity import DynamicCapacityPolicy, capacity_metrics
 from .recompile import Recompiler
+from .settings import DynamicSettings
 
 __all__ = ["DynamicRuntime", "dynamic_enabled", "format_metrics"]
 
 
 def dynamic_enabled(cfg) -> bool:
-    return cfg.capacity_policy == "dynamic" or cfg.assignment_cache
+    return cfg.dynamic_capacity or cfg.assignment_cache
 
 
 def format_metrics(metrics: Dict[str, float]) -> str:
@@ -51,18 +52,21 @@ def format_metrics(metrics: Dict[str, float]) -> str:
 
 class DynamicRuntime:
     def __init__(self, cfg, layers: Dict[int, Any], group=None, cache: Optional[AssignmentCache] = None,
-                 device=None):
+                 device=None, positions: int = 0, settings: DynamicSettings = DynamicSettings()):
         """`layers`: this rank's MoE layers by GLOBAL layer id (modules with ``plan`` and ``set_expert_capacity``);
         `group`: the ranks that must agree (default: the whole job); `cache`: the model's assignment cache (made
-        here from the config when --moe-assignment-cache is on and none is given; its positions come from
-        --moe-assignment-cache-positions)."""
+        here from the config when --moe-assignment-cache is on and none is given, keyed by `positions` per sample:
+        the trainer's sequence length); `settings`: the dynamic capacity's and RECOMPILE's constants."""
         self.cfg, self.layers, self.group = cfg, dict(layers), group
         self.E = cfg.num_experts
         first = next(iter(self.layers.values()), None)
         self.device = device or (next(first.parameters()).device if first is not None else torch.device("cpu"))
-        self.capacity_policy = DynamicCapacityPolicy.from_config(cfg) if cfg.capacity_policy == "dynamic" else None
+        self.capacity_policy = DynamicCapacityPolicy.from_config(cfg, settings) if cfg.dynamic_capacity else None
         if cfg.assignment_cache and cache is None:
-            cache = AssignmentCache(cfg.top_k, cfg.assignment_cache_positions, cfg.num_experts)
+            if positions <= 0:
+                raise ValueError("megamoe-plugin: --moe-assignment-cache needs the trainer's sequence length "
+                                 "(positions per sample)")
+            cache = AssignmentCache(cfg.top_k, positions, cfg.num_experts)
         self.cache = cache if cfg.assignment_cache else None
         self.cache_policy = CachePolicy.from_config(cfg) if self.cache is not None else None
         for lid, layer in self.layers.items():
@@ -71,7 +75,7 @@ class DynamicRuntime:
         if self._distributed:
             dist.all_reduce(rows, op=dist.ReduceOp.MAX, group=group)
         self.rows = int(rows.item())
-        self.recompiler = Recompiler(self._trigger, self._apply, cfg.recompile_delta_launch)
+        self.recompiler = Recompiler(self._trigger, self._apply, settings.delta_launch)
         self._lock = threading.Lock()
         self._last: Dict[str, float] = {}
         self.recompilations = 0                  # capacity decisions applied (layers x times)

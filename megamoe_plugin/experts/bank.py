@@ -17,6 +17,7 @@ from typing import Dict, List, Optional, Sequence, Union
 import torch
 import torch.nn as nn
 
+from ..config import INIT_STD
 from .activations import activation_spec, is_gated
 from .choice import KERNELS, choose_kernel, cuda_fallback
 from .grouped import GroupedExpertMM, offsets_from_counts
@@ -61,11 +62,12 @@ class ExpertBank(nn.Module):
     def from_config(cls, cfg, hidden_size: int, ffn_hidden_size: int, init_std: Optional[float] = None,
                     dtype: Optional[torch.dtype] = None, device=None) -> "ExpertBank":
         """The bank of one rank for a MoEConfig: its vExpert slots, activation (with a gated activation's offset
-        and clamp), biases and kernel options."""
+        and clamp), biases and kernel; on CPU its lanes and GEMM library are chosen per call (``cpu_lanes`` 0 and
+        ``cpu_gemm`` "auto", attributes a benchmark may set)."""
         act = activation_spec(cfg.activation, cfg.glu_linear_offset, cfg.activation_clamp)
-        return cls(cfg.slots_per_rank, hidden_size, ffn_hidden_size, act, cfg.expert_bias,
-                   cfg.init_std if init_std is None else init_std, dtype=dtype, device=device,
-                   cpu_lanes=cfg.cpu_expert_lanes, cpu_gemm=cfg.cpu_gemm, kernel=cfg.expert_kernel)
+        return cls(cfg.slots_per_rank, hidden_size, ffn_hidden_size, act, cfg.linear_bias,
+                   INIT_STD if init_std is None else init_std, dtype=dtype, device=device,
+                   kernel=cfg.expert_kernel)
 
     def weights(self) -> List[Optional[torch.Tensor]]:
         """[w1, w2, b1, b2] as this step computes with them: the parameters, or with a non-trivial placement the

@@ -8,7 +8,7 @@ dispatch/smart.py, runs them chunk by chunk, adding up each chunk's weight gradi
 in the output and in the input gradient.
 
 On CPU, many small groups run side by side on "lanes" (one thread each) instead of one after another with
-intra-op threads: small GEMMs parallelise poorly inside, well across experts (``cpu_expert_lanes``; 0 =
+intra-op threads: small GEMMs parallelise poorly inside, well across experts (``ExpertBank.cpu_lanes``; 0 =
 automatic, bounded by the cores this process may use shared among the node's ranks, ``lane_budget``). CPU GEMMs
 go to oneDNN's linear kernel or BLAS (``cpu_gemm``): on this project's machines (AMD EPYC, MKL) oneDNN is
 markedly faster for fp32. This is the right kernel on a CPU; on a GPU the grouped GEMM (experts/grouped.py) is.
@@ -55,7 +55,7 @@ def _use_onednn(x: torch.Tensor, mode: str) -> bool:
         if mode == "onednn":
             why = ("this torch build has no oneDNN linear kernel" if _ONEDNN_LINEAR is None
                    else f"oneDNN's linear kernel does not run {x.dtype} on this CPU")
-            raise RuntimeError(f"--moe-cpu-gemm=onednn: {why}; use --moe-cpu-gemm auto or blas")
+            raise RuntimeError(f"cpu_gemm='onednn': {why}; use 'auto' or 'blas'")
         return False
     return True
 

@@ -25,8 +25,8 @@ layer of the model by its global layer id, agreeing over the whole job, and call
 
 The cache keys a token by ``sample index x positions + position`` and holds one batch shape at a time, so it is
 for decoder-only models (``moe_transformer_lm``): an encoder-decoder model's encoder and decoder see sequences of
-different lengths (and left-padded sources shift positions with the batch). ``--moe-assignment-cache-positions 0``
-is the task's sequence length: ``--tokens-per-sample`` (+1 with ``--add-bos-token``), else the model's
+different lengths (and left-padded sources shift positions with the batch). Its positions per sample are the
+task's sequence length: ``--tokens-per-sample`` (+1 with ``--add-bos-token``), else the model's
 ``max_target_positions``.
 """
 from __future__ import annotations
@@ -74,7 +74,7 @@ def _setting(cfg, name, default=None):
 
 
 def sequence_positions(trainer_cfg, model) -> Tuple[int, str]:
-    """(tokens per training sample, the flag that sets it) for ``--moe-assignment-cache-positions 0``."""
+    """(tokens per training sample, the flag that sets it): the assignment cache's positions per sample."""
     task = getattr(trainer_cfg, "task", None)
     tps = _setting(task, "tokens_per_sample")
     if tps:
@@ -86,7 +86,7 @@ def sequence_positions(trainer_cfg, model) -> Tuple[int, str]:
     if mtp:
         return int(mtp), f"--max-target-positions={int(mtp)}"
     raise ConfigError("megamoe-plugin: --moe-assignment-cache: cannot tell the task's sequence length (no "
-                      "--tokens-per-sample, no --max-target-positions); set --moe-assignment-cache-positions")
+                      "--tokens-per-sample, no --max-target-positions); set --tokens-per-sample")
 
 
 def check_cache_model(model) -> None:
@@ -120,20 +120,13 @@ class FairseqDynamic:
         cache, source = None, None
         if moe.assignment_cache:
             check_cache_model(model)
-            need, source = sequence_positions(trainer.cfg, model)
-            positions = moe.assignment_cache_positions
-            if positions == 0:
-                positions = need
-            elif positions < need:
-                raise ConfigError(f"megamoe-plugin: --moe-assignment-cache-positions={positions} is shorter than the "
-                                  f"training samples ({need} tokens: {source}); the cache keys a token by sample "
-                                  f"index x positions + position: use >= {need}, or 0 for the task's length")
+            positions, source = sequence_positions(trainer.cfg, model)
             cache = AssignmentCache(moe.top_k, positions, moe.num_experts)
         rt = DynamicRuntime(moe, layers, group=None, cache=cache)
         logger.info("megamoe-plugin: DynaMoE: capacity policy %s, assignment cache %s, RECOMPILE delta_launch %d, "
                     "%d MoE layer(s)", moe.capacity_policy,
                     f"on ({cache.positions} positions per sample)" if cache is not None else "off",
-                    moe.recompile_delta_launch, len(layers))
+                    rt.recompiler.delta_launch, len(layers))
         return cls(rt, source)
 
     # --- the training loop --------------------------------------------------------------------------------------

@@ -178,7 +178,7 @@ class TrainingTrace:
     def __init__(self, model, moe):
         rank = dist.get_rank() if dist.is_initialized() else 0
         world = dist.get_world_size() if dist.is_initialized() else 1
-        self.recorder = TraceRecorder(moe.trace_path, rank, world, moe.num_experts, moe.top_k, moe.trace_token_ids)
+        self.recorder = TraceRecorder(moe.trace_path, rank, world, moe.num_experts, moe.top_k)
         self.recording = False
         for m in moe_ffns(model):
             m.moe.stats.listeners.append(self)

@@ -40,7 +40,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..config import MoEConfig
+from ..config import INIT_STD, MoEConfig
 from ..parallel import ExpertParallel
 from .balance import all_reduce_sum, expert_counts, group_size, sequence_prob_sums, switch_loss, z_loss
 from .capacity import (apply_capacity, capacity_from_factor, capacity_mask_counts,  # noqa: F401  (re-exported)
@@ -124,12 +124,12 @@ class Gate(nn.Module):
         self.ep = ep or ExpertParallel(None)
         self.topology = topology
         self.weight = nn.Parameter(torch.empty(cfg.num_experts, hidden_size))
-        nn.init.normal_(self.weight, std=cfg.init_std)
+        nn.init.normal_(self.weight, std=INIT_STD)
         self.weight.megamoe_gate = True          # found by gate_sync.py (--moe-gate-sync local / average:K)
         self.bias = None
-        if cfg.router_bias:
+        if cfg.linear_bias:
             self.bias = nn.Parameter(torch.empty(cfg.num_experts))
-            nn.init.normal_(self.bias, std=cfg.init_std)
+            nn.init.normal_(self.bias, std=INIT_STD)
             self.bias.megamoe_gate = True
         self.losses = cfg.balance_losses
         self.routing_rule = cfg.balance_routing

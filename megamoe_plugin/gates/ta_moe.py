@@ -11,10 +11,11 @@ gives it in full; this is ours, following the paper's alpha-beta model):
    Without latency this is x_ij proportional to the link's bandwidth.
 3. The rank's own expert(s) need no link, so the model puts no price on them; Eq. 4 (every expert receives a
    balanced total) fixes their share at the balanced 1/P, and the remaining (P-1)/P is water-filled over the
-   other ranks. D = ``ta_moe_exchange_mb`` * (P-1)/P.
+   other ranks. D = ``EXCHANGE_BYTES`` (64 MB a rank sends per all-to-all) * (P-1)/P; without latency the pattern
+   does not depend on it.
 4. Eq. 4 for asymmetric trees: Sinkhorn iterations make the matrix doubly stochastic (rows: what each source
    sends, columns: what each destination receives) while keeping its shape. Symmetric trees are unchanged.
-5. Expert isolation (§4.2): c_hat = (1 - s) * c + s * uniform with s = ``ta_moe_smoothing``, so no expert is
+5. Expert isolation (§4.2): c_hat = (1 - s) * c + s * uniform with s = ``SMOOTHING`` (0.1), so no expert is
    starved even behind a very slow link.
 
 On [[0,1],[2,3]] with a 4:1 bandwidth ratio and no latency this gives row (1/4, 1/2, 1/8, 1/8): exactly the
@@ -53,6 +54,10 @@ from .balance import all_reduce_sum, group_size, switch_loss
 from .base import Gate
 from .registry import register_gate
 from ..config import ConfigError, flag
+
+
+EXCHANGE_BYTES = 64e6      # D: the bytes a rank sends per all-to-all in the alpha-beta model
+SMOOTHING = 0.1            # s: the weight of the uniform pattern mixed into the target (expert isolation, §4.2)
 
 
 def target_dispatch_pattern(topology, exchange_bytes: float = 64e6, smoothing: float = 0.0,
@@ -107,7 +112,7 @@ class TopologyAwareGate(Gate):
         super().__init__(cfg, hidden_size, ep=ep, topology=topology)
         topo = topology or cfg.build_topology()
         self.topology = topo
-        pattern = target_dispatch_pattern(topo, cfg.ta_moe_exchange_mb * 1e6, cfg.ta_moe_smoothing)
+        pattern = target_dispatch_pattern(topo, EXCHANGE_BYTES, SMOOTHING)
         per_rank = cfg.num_experts // self.ep.size
         me = self.ep.global_rank_of(self.ep.rank)
         dest = [self.ep.global_rank_of(e // per_rank) for e in range(cfg.num_experts)]
@@ -177,7 +182,7 @@ class TopologyAwareGate(Gate):
                               f"{cfg.aux_loss_coeff} with {flag('load_balancing_type')}={cfg.load_balancing_type} "
                               f"switches it off; give aux_loss a coefficient > 0 (e.g. 0.01), or steer by bias "
                               f"with {flag('router_expert_bias')} (and a sigmoid score function)")
-        pattern = target_dispatch_pattern(topology, cfg.ta_moe_exchange_mb * 1e6, cfg.ta_moe_smoothing)
+        pattern = target_dispatch_pattern(topology, EXCHANGE_BYTES, SMOOTHING)
         if float((pattern - 1.0 / topology.num_ranks).abs().max()) < 1e-6:
             return [f"--moe-gate=ta_moe on the topology {topology.spec()} (bandwidths "
                     f"{topology.bandwidth_gbps} GB/s per level): the derived target dispatch pattern is uniform, "

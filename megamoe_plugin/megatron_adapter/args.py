@@ -34,7 +34,6 @@ SHARED: Dict[str, str] = {
     "z_loss_coeff": "moe_z_loss_coeff",
     "aux_loss_coeff": "moe_aux_loss_coeff",
     "capacity_factor": "moe_expert_capacity_factor",
-    "init_std": "init_method_std",
     "score_function": "moe_router_score_function",
     "topk_scaling_factor": "moe_router_topk_scaling_factor",
     "num_groups": "moe_router_num_groups",
@@ -56,9 +55,8 @@ DERIVED: Dict[str, tuple] = {
                                                              "too)"),
     "min_capacity": ("--moe-expert-capacity-factor", "no minimum capacity (as Megatron)"),
     "activation": ("--swiglu / --quick-geglu / --squared-relu", "the expert activation; default gelu"),
-    "expert_bias": ("--disable-bias-linear", "given = experts without biases"),
-    "router_bias": ("--disable-bias-linear", "given = a router without a bias (Megatron's router has one by "
-                                             "default)"),
+    "linear_bias": ("--disable-bias-linear", "given = a router and experts without biases (Megatron's have them "
+                                             "by default)"),
     "router_dtype": ("--moe-router-dtype", "fp32 / fp64; unset = the model's dtype"),
     "normalize_top_k": ("--moe-router-pre-softmax", "given (softmax scores) = the full softmax's probabilities, "
                                                     "not renormalised"),
@@ -247,12 +245,11 @@ def config_from_megatron(src, world_size: Optional[int] = None, **overrides) -> 
     d["drop_policy"] = _get(src, "moe_token_drop_policy", default="probs") or "probs"
     d["pad_to_capacity"] = bool(_get(src, "moe_pad_expert_input_to_capacity", default=False))
     d["probs_on_input"] = bool(_get(src, "moe_apply_probs_on_input", default=False))
-    d["init_std"] = _get(src, "init_method_std", default=0.02)
     d["activation"] = _activation(src)
     d["glu_linear_offset"] = float(_get(src, "glu_linear_offset") or 0.0)
     d["activation_clamp"] = float(_get(src, "activation_func_clamp_value") or 0.0)
     bias = bool(_get(src, "add_bias_linear", default=False))
-    d["expert_bias"] = d["router_bias"] = bias
+    d["linear_bias"] = bias
     d["router_dtype"] = _get(src, "moe_router_dtype") or "input"
     if world_size is None:
         world_size = _get(src, "world_size")
@@ -330,12 +327,16 @@ def validate_moe_plugin_args(args) -> Optional[MoEConfig]:
                               "one owner's gate; drop one of the two")
     if _get(args, "use_distributed_optimizer", default=False) and cfg.placement in MOVING_PLACEMENTS:
         _check_distributed_optimizer_placement(args, cfg)
-    if cfg.placement_overlap_sync and _get(args, "overlap_grad_reduce", default=False):
-        raise ConfigError("megamoe-plugin: --moe-plugin-placement-overlap-sync and --overlap-grad-reduce: the "
-                          "replicated experts' gradients are complete only at the end of the backward pass, after "
-                          "Megatron's overlapped buckets have started reducing them; drop one of the two")
     from ..gates import gate_warnings
     from ..notices import warn_once
+    if cfg.placement_overlap_sync and _get(args, "overlap_grad_reduce", default=False):
+        # overlapped replica gradients are complete only at the end of the backward pass, after Megatron's
+        # overlapped buckets have started reducing them: the synchronous reduce is the safe one here
+        cfg = cfg.replace(placement_overlap_sync=False)
+        if cfg.placement != "none":
+            warn_once("--overlap-grad-reduce: the replicated and shadowed experts' gradients are reduced inside "
+                      "the MoE layers' backward (--moe-plugin-placement-overlap-sync needs the whole backward "
+                      "pass before Megatron reduces its buckets)", kind="note")
     from ..placement import build_placement_policy
     try:
         build_placement_policy(cfg)       # an unknown or unimportable policy fails now, not after the model

@@ -61,7 +61,7 @@ class PluginStepHooks:
         if cfg.trace_path:          # routing of training forwards (grad enabled), under the coming iteration
             rank = dist.get_rank() if dist.is_initialized() else 0
             world = dist.get_world_size() if dist.is_initialized() else 1
-            self.trace = TraceRecorder(cfg.trace_path, rank, world, cfg.num_experts, cfg.top_k, cfg.trace_token_ids)
+            self.trace = TraceRecorder(cfg.trace_path, rank, world, cfg.num_experts, cfg.top_k)
             self.trace.next_step(1)
             plugin_stats().listeners.append(self._record)
             atexit.register(self.trace.flush)
@@ -78,16 +78,13 @@ class PluginStepHooks:
     def setup(self, model, positions: int = 0) -> Optional[DynamicRuntime]:
         """Make the DynaMoE runtime over the model's plugin layers (collective, idempotent; None when neither
         dynamic capacity nor the assignment cache is on). `positions`: the sequence length, the assignment
-        cache's positions per sample when --moe-plugin-assignment-cache-positions is 0."""
+        cache's positions per sample."""
         if self.dynamic is None and dynamic_enabled(self.cfg):
-            cfg = self.cfg
-            if cfg.assignment_cache and not cfg.assignment_cache_positions:
-                if not positions:
-                    raise ValueError("megamoe-plugin: --moe-plugin-assignment-cache needs the sequence length: "
-                                     "pass --moe-plugin-assignment-cache-positions")
-                cfg = cfg.replace(assignment_cache_positions=positions)
+            if self.cfg.assignment_cache and not positions:
+                raise ValueError("megamoe-plugin: --moe-plugin-assignment-cache needs the sequence length "
+                                 "(--seq-length)")
             layers = {int(m.layer_id or 0): m for m in plugin_layers(model)}
-            self.dynamic = DynamicRuntime(cfg, layers)
+            self.dynamic = DynamicRuntime(self.cfg, layers, positions=positions)
         return self.dynamic
 
     def attach_gate_sync(self, model, optimizer) -> None:

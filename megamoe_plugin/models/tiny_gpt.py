@@ -8,7 +8,7 @@ the token embedding. Block ``i`` uses an MoELayer (layer_id ``i``) when ``moe_ev
 GELU MLP otherwise; ``moe_every=0`` gives the dense baseline. All MoE layers share one StatsSink.
 
 Init follows GPT-2: normal(0, 0.02), the residual output projections of attention and of the dense MLP scaled by
-1/sqrt(2 * layers); gates and experts normal(0, ``MoEConfig.init_std``). It draws from generators seeded by one
+1/sqrt(2 * layers); gates and experts normal(0, 0.02). It draws from generators seeded by one
 draw of the global RNG at construction, and each MoE layer's experts from a generator of its own over the whole
 bank of ``num_experts`` experts, of which EP rank r keeps its slice: after ``torch.manual_seed(s)`` the model is the
 same whatever the expert-parallel size (EP rank r holds experts [r*E_local, (r+1)*E_local) of the EP=1 model).
@@ -22,7 +22,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..config import MoEConfig
+from ..config import INIT_STD, MoEConfig
 from ..layer import MoELayer, moe_layers
 from ..stats import StatsSink
 
@@ -126,7 +126,7 @@ class TinyMoEGPT(nn.Module):
                 nn.init.ones_(m.weight)
                 nn.init.zeros_(m.bias)
         for layer in moe:
-            std = self.moe_cfg.init_std
+            std = INIT_STD
             lgen = torch.Generator().manual_seed((seed + 7919 * (layer.layer_id + 1)) % (2 ** 63))
             nn.init.normal_(layer.gate.weight, std=std, generator=lgen)
             bank = layer.experts

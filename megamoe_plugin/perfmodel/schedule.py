@@ -71,7 +71,7 @@ def speedup_upper_bound(comm: float, comp: float) -> float:
 
 
 def consecutive_groups(num_ranks: int, n: int) -> List[List[int]]:
-    """n groups of consecutive ranks (the layout ``--moe-smart-groups n`` gives)."""
+    """n groups of consecutive ranks (the layout ``--moe-schedule smart:n`` gives)."""
     if n < 1 or num_ranks % n:
         raise ValueError(f"{n} groups do not divide {num_ranks} ranks")
     g = num_ranks // n

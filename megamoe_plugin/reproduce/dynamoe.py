@@ -92,7 +92,7 @@ def tradeoff_table(results: List[dict]) -> Table:
         "an expert only once the expert's smoothed demand exceeds its capacity, i.e. once it drops on AVERAGE, so "
         "an expert whose mean sits just under its capacity overflows on every above-average batch, and its "
         "smoothed demand lags the fast-changing routing of the first epochs (fig9_per_epoch: where the drops "
-        "are). 'dynamic q=0.9' (--moe-capacity-quantile 0.9) grows an expert as soon as the 0.9-quantile of its "
+        "are). 'dynamic q=0.9' (--moe-capacity-policy quantile) grows an expert as soon as the 0.9-quantile of its "
         "demand over the last 32 steps exceeds its capacity."]
     return t
 

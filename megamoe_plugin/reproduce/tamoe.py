@@ -112,10 +112,9 @@ def fitted_topology():
 
 
 def derived_pattern(topo, total_bytes: float) -> tuple:
-    """Row 0 of the package's TA-MoE target dispatch pattern (MoEConfig's default smoothing)."""
-    from ..config import MoEConfig
-    from ..gates.ta_moe import target_dispatch_pattern
-    row = target_dispatch_pattern(topo, total_bytes, MoEConfig().ta_moe_smoothing)[0]
+    """Row 0 of the package's TA-MoE target dispatch pattern (the gate's smoothing)."""
+    from ..gates.ta_moe import SMOOTHING, target_dispatch_pattern
+    row = target_dispatch_pattern(topo, total_bytes, SMOOTHING)[0]
     return tuple(float(x) for x in row)
 
 
@@ -238,8 +237,8 @@ def _train_flags(fast: bool, topo, gate: str) -> List[str]:
     return (FAST_MODEL if fast else FULL_MODEL) + [
         "--threads", "1", "--log-interval", every, "--moe-every", "1", "--moe-num-experts", "8", "--seed", "0",
         "--lr", "3e-3", "--moe-expert-parallel-size", "4", "--moe-topology", TOPOLOGY,
-        "--moe-topology-bandwidth-gbps", bw, "--moe-topology-latency-us", "0,0",
-        "--moe-ta-moe-exchange-mb", str(PAPER_MIB * MIB / 1e6), "--moe-gate", gate, "--moe-gate-sync", "all"]
+        "--moe-topology-bandwidth-gbps", bw, "--moe-topology-latency-us", "0,0",   # no latency: the target does
+        "--moe-gate", gate, "--moe-gate-sync", "all"]                               # not depend on the bytes sent
 
 
 def _predicted_exchange(counts, net, total_bytes: float) -> List[float]:
