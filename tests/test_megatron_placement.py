@@ -190,16 +190,17 @@ def test_distributed_optimizer_with_placement_validation(placement, tmp_path):
     assert validate_moe_plugin_args(ok) is not None
 
 
-def test_overlapped_replica_sync_refuses_megatron_overlapped_grad_reduce():
+def test_overlapped_replica_sync_is_the_default_except_with_megatron_overlapped_grad_reduce(capsys):
     """Overlapped replica all-reduces complete at the end of the backward pass; Megatron's --overlap-grad-reduce
-    starts reducing its buckets before that, so the two together are refused, naming both flags."""
+    starts reducing its buckets before that, so with it the replicas' gradients are reduced synchronously and a
+    note names both flags."""
     from megamoe_plugin.megatron_adapter.args import validate_moe_plugin_args
-    args = _parse(["--moe-plugin-placement", "flexmoe", "--moe-plugin-placement-overlap-sync"])
+    args = _parse(["--moe-plugin-placement", "flexmoe"])
     assert args.moe_plugin_config.placement_overlap_sync
     args.overlap_grad_reduce = True
-    with pytest.raises(ConfigError) as err:
-        validate_moe_plugin_args(args)
-    assert "--moe-plugin-placement-overlap-sync" in str(err.value) and "--overlap-grad-reduce" in str(err.value)
+    assert not validate_moe_plugin_args(args).placement_overlap_sync
+    err = capsys.readouterr().err
+    assert "--overlap-grad-reduce" in err and "--moe-plugin-placement-overlap-sync" in err
     args.overlap_grad_reduce = False
     assert validate_moe_plugin_args(args).placement_overlap_sync
 

@@ -263,22 +263,14 @@ def test_layer_time_replicated_expert():
     assert b.alltoall == approx(4 * a2a)
     assert b.sync == approx(sync)
     assert b.total == approx(3 * comp + 4 * a2a + sync)
-    # overlapped all-reduces: the model charges the measured share of Eq. 9 that the step waits for
-    cm.sync_exposure = 0.25
-    b_hidden = cm.layer_time(COUNTS, placement)
-    assert b_hidden.sync == approx(0.25 * sync)
-    assert b_hidden.total == approx(3 * comp + 4 * a2a + 0.25 * sync)
     assert cm.replica_sync_time(cm.placement_matrix(placement)) == approx(sync)
-    assert cm.shadow_layer_time(COUNTS, [1], placement).sync >= 0.25 * sync
-    # shadowing: per shadowed expert one measured broadcast and one reduce (1 GB/s, 100 us each); with its
-    # prefetch and overlapped reduce the model charges the measured share of them
+    assert cm.shadow_layer_time(COUNTS, [1], placement).sync >= sync
+    # shadowing: per shadowed expert one measured broadcast and one reduce (1 GB/s, 100 us each)
     shadowing = CostModel(tree2x2(), 1e12, SHAPE, bcast=(1e9, 1e-4))
     eq8 = 2 * (1e-4 + 32768 / 1e9)
     assert shadowing.shadow_sync_time([1]) == approx(eq8)
     assert shadowing.shadow_sync_time([1, 3, 3]) == approx(2 * eq8)
     assert shadowing.shadow_layer_time(COUNTS, [1]).sync == approx(eq8)
-    shadowing.shadow_exposure = 0.25
-    assert shadowing.shadow_layer_time(COUNTS, [1]).sync == approx(0.25 * eq8)
     assert shadowing.layer_time(COUNTS).sync == 0.0
     # without a profiled BPS: ring all-reduce over (0, 2), each sends S to the other across the 1 GB/s uplinks
     b2 = CostModel(tree2x2(), 1e12, SHAPE).layer_time(COUNTS, placement)

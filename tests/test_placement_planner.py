@@ -1,4 +1,4 @@
-"""The placement planning layer (megamoe_plugin.placement.{state,flexmoe,shadow,simulate}).
+"""The placement planning layer (megamoe_plugin.placement.{state,flexmoe,shadow}, perfmodel.placement_replay).
 
 Hand-computed cases on a tiny network chosen so that every number is an integer number of seconds:
 2 ranks behind one switch, every link 8 B/s, no latency; LayerShape(hidden=4, ffn=8): a token is 8 bytes (1 s over
@@ -13,7 +13,8 @@ import torch
 from megamoe_plugin.perfmodel import CostModel, HardwareProfile, LayerShape, Network
 from megamoe_plugin.placement import (FlexMoEPlanner, Move, PlacementError, PlacementState, ShadowPlanner,
                                       StaticPlanner, flexible_route, model_state_bytes, select_shadow_experts,
-                                      shadow_search, simulate_placement, synthetic_trace)
+                                      shadow_search)
+from megamoe_plugin.perfmodel.placement_replay import simulate_placement, synthetic_trace
 
 SHAPE = LayerShape(4, 8, 2, bytes_per_element=2)
 SKEWED = torch.tensor([[30., 2.], [40., 4.]])         # expert 0: 70 tokens, expert 1: 6
@@ -347,7 +348,7 @@ def test_simulate_smoothing_shows_the_planner_an_average():
 
 
 def test_synthetic_trace_is_deterministic_and_loads(tmp_path):
-    from megamoe_plugin.placement import write_trace
+    from megamoe_plugin.perfmodel.placement_replay import write_trace
     from megamoe_plugin.stats import load_trace
     a = synthetic_trace(4, 8, 5, layers=2, tokens_per_rank=100, top_k=2, seed=3)
     b = synthetic_trace(4, 8, 5, layers=2, tokens_per_rank=100, top_k=2, seed=3)

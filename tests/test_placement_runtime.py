@@ -22,7 +22,7 @@ H, F, T = 8, 12, 24
 
 def _cfg(world, **kw):
     base = dict(num_experts=2 * world, top_k=2, gate="gshard", second_expert_policy="all", world_size=world,
-                expert_parallel_size=world, aux_loss_coeff=0.01, expert_bias=True)
+                expert_parallel_size=world, aux_loss_coeff=0.01, linear_bias=True)
     base.update(kw)
     return MoEConfig(**base)
 
@@ -94,11 +94,12 @@ def _equivalence(rank, world, steps, out_dir, extra=None):
         l_mov = _train_step(moved, opt_mov, x, target)
         assert torch.allclose(l_ref, l_mov, rtol=1e-5, atol=1e-6), (step, l_ref.item(), l_mov.item())
         # the backward's end waited (the wait is timed) only for overlapped all-reduces of replicas this rank holds,
-        # and for the overlapped reduces of shadow copies (every rank takes part in those)
+        # and for the overlapped reduces of shadow copies (every rank takes part in those; they run inside the
+        # layer when a shadowed expert also has replicas)
         waited = rt.take_sync_wait()
         assert (waited > 0) == (replicated and rt.overlap_sync), (step, waited, replicated)
         waited = rt.take_shadow_wait()
-        assert (waited > 0) == (bool(rt.shadowed) and rt.overlap_sync), (step, waited, rt.shadowed)
+        assert (waited > 0) == rt.shadow_reduce_overlapped, (step, waited, rt.shadowed)
         moves, shadow = _random_changes(rt, rng, step)
         kinds.update(m.kind for m in moves)
         apply_placement([(rt, moves, moved.experts)], opt_mov)
@@ -153,9 +154,9 @@ def _load_and_eval(rank, world, out_dir, source_world):
 
 @pytest.mark.parametrize("world,extra", [
     (2, None), (4, None),
-    (2, {"schedule": "smart", "smart_groups": 2}),              # FasterMoE's pipelined exchange over the slots
+    (2, {"schedule": "smart:2"}),              # FasterMoE's pipelined exchange over the slots
     (2, {"dispatch": "capacity", "capacity_factor": 0.75}),    # the gate drops; the kept go to the replicas
-    (4, {"placement_overlap_sync": True}),      # replicas' gradient all-reduces completed after the backward
+    (4, {"placement_overlap_sync": False}),     # replicas' gradient all-reduces inside the layer's backward
 ])
 def test_forced_moves_are_the_same_training(world, extra, tmp_path):
     run_distributed(_equivalence, world, 6 if world == 2 else 4, str(tmp_path), extra)
@@ -247,16 +248,12 @@ def _policy_run(rank, world, policy, profile):
     opt_ref = torch.optim.Adam(ref.parameters(), lr=1e-2)
     opt_mov = torch.optim.Adam(moved.parameters(), lr=1e-2)
     hook = AfterStepHook(cfg)
-    ever_shadowed, prefetched = set(), 0
+    ever_shadowed = set()
     for step in range(5):
         x, target = _data(rank, step)
-        pre = moved.plan.placement._prefetch          # the shadow copies broadcast after the last step, if any
         l_ref = _train_step(ref, opt_ref, x, target)
         l_mov = _train_step(moved, opt_mov, x, target)
         assert torch.allclose(l_ref, l_mov, rtol=1e-5, atol=1e-6), (step, l_ref.item(), l_mov.item())
-        if pre is not None:                           # the forward took the prefetched copies (waited on each)
-            assert pre.entries and all(w is None for w in pre.works), pre.works
-            prefetched += 1
         assert hook.run(moved, opt_mov, step + 1)
         if step == 0:
             first = dict(hook.policy.metrics)
@@ -273,7 +270,7 @@ def _policy_run(rank, world, policy, profile):
         assert first["balance_ratio_next"] < first["balance_ratio"]
     else:
         assert 0 in ever_shadowed and hook.policy.total_moves == 0, (ever_shadowed, m)   # the hot expert
-        assert prefetched > 0 and m["shadow_wait_s"] >= 0.0, (prefetched, m)
+        assert m["shadow_wait_s"] > 0.0, m       # the overlapped reduces of the copies' gradients were waited for
     assert m["token_efficiency"] == 1.0 and 0 < m["expert_efficiency"] <= 1.0
 
 

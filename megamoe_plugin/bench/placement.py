@@ -15,7 +15,7 @@ See that module's docstring for the model, the gate and what is timed.
 A last table puts our numbers beside the papers' anchors and says which are modeled and which measured.
 
 Trace: ``--trace PATH`` (a ``--moe-trace-path`` recording, ``stats.load_trace``), or a deterministic synthetic one
-per target (``placement.simulate.synthetic_trace``): Zipf-skewed expert popularity (default skew 1.25: the top 10
+per target (``perfmodel.placement_replay.synthetic_trace``): Zipf-skewed expert popularity (default skew 1.25: the top 10
 of 64 experts get ~75% of the tokens, FlexMoE paper 001 §2.4 / Fig. 3a) whose ranking drifts slowly and smoothly
 (``--drift`` positions per step, §2.4's "changes continuously and smoothly"), per-rank noise, top-2.
 
@@ -81,7 +81,7 @@ def run(args) -> List[dict]:
     from ..perfmodel.simulate import simulate_trace, summarize
     from ..placement.flexmoe import FlexMoEPlanner, StaticPlanner
     from ..placement.shadow import ShadowPlanner
-    from ..placement.simulate import synthetic_trace, write_trace
+    from ..perfmodel.placement_replay import synthetic_trace, write_trace
 
     recorded = None
     if args.trace:

@@ -5,7 +5,7 @@ Model: a residual stack of ``--measure-layers`` MoE layers (``MoELayer``, expert
 E = ``--measure-experts-per-rank`` x procs experts, top-2, dropless, H x F FFN experts), an MSE loss against random
 targets, Adam. The gate is ``bench_zipf_drift`` (registered here): its choices ignore the learned logits and follow a
 deterministic Zipf(``--measure-skew``) popularity whose ranking drifts by ``--measure-drift`` positions per step
-(the synthetic trace's formula, ``placement.simulate.synthetic_trace``; experts 0, 1, ... start hottest, so the
+(the synthetic trace's formula, ``perfmodel.placement_replay.synthetic_trace``; experts 0, 1, ... start hottest, so the
 first rank is the hot one), sampled per token without replacement by Gumbel-top-k from a generator seeded by
 (seed, layer, rank, step): the same routing in every strategy at every step. Its combine weights are the learned
 softmax probabilities of the chosen experts, so the gate trains.
@@ -42,6 +42,8 @@ from typing import Dict, Optional
 import torch
 import torch.distributed as dist
 
+from ..config import INIT_STD
+from ..placement.policies import FLEXMOE_MAX_MOVES
 from ..gates import Gate, register_gate
 
 STRATEGIES = ("static EP", "shadow", "flexmoe")
@@ -145,7 +147,7 @@ def _build(args, P: int, rank: int, profile_path: str):
     H, F_ = args.measure_hidden, args.measure_ffn
     base = dict(num_experts=E, top_k=2, gate="bench_zipf_drift", expert_parallel_size=P, world_size=P,
                 aux_loss_coeff=0.0, placement_profile=profile_path, placement_threshold=args.threshold,
-                placement_max_moves=args.max_moves, placement_interval=1,      # plans every step, as it times them
+                placement_interval=1,                                          # plans every step, as it times them
                 placement_guard=-1.0)     # the planners' own per-step decisions: a few steps, no wall-clock guard
     built = {}
     ref_state = None
@@ -165,7 +167,7 @@ def _build(args, P: int, rank: int, profile_path: str):
             with torch.no_grad():
                 for layer in layers:
                     for p in layer.experts.parameters():
-                        p.normal_(0.0, cfg.init_std, generator=g)
+                        p.normal_(0.0, INIT_STD, generator=g)
             ref_state = [{n: p.detach().clone() for n, p in layer.named_parameters()} for layer in layers]
         else:
             with torch.no_grad():
@@ -278,7 +280,7 @@ def measure(args, P: int, rank: int, profile_info: dict) -> Optional[dict]:
     return {"procs": P, "threads": torch.get_num_threads(), "torch": torch.__version__, "hidden": H, "ffn": F_,
             "experts": E, "layers": args.measure_layers, "tokens_per_rank": T, "top_k": 2,
             "skew": args.measure_skew, "drift": args.measure_drift, "warmup": w, "steps": args.measure_steps,
-            "threshold": args.threshold, "max_moves": args.max_moves, "profile": profile_info, "rows": rows,
+            "threshold": args.threshold, "max_moves": FLEXMOE_MAX_MOVES, "profile": profile_info, "rows": rows,
             "loss_max_rel_diff": max(row["loss_max_rel_diff"] for row in rows), "loss_rtol": LOSS_RTOL}
 
 

@@ -6,9 +6,7 @@ A real-text MoE LM whose routing skews on its own (the embedded corpus, 16 exper
 
 - ``static``: static expert parallelism, dropless;
 - ``capacity``: static with a capacity factor (DeepSpeed-style drop and pad, ``--capacity-factor``);
-- ``shadow``: FasterMoE dynamic shadowing, its broadcasts prefetched after the optimizer step (hidden behind the
-  next batch and the layers below); ``shadow_sync``: the same with the broadcasts in the layer's forward (what the
-  prefetch hides is the difference); ``shadow_overlap``: the same with the copies' gradient reduces behind the
+- ``shadow``: FasterMoE dynamic shadowing; ``shadow_overlap``: the same with the copies' gradient reduces behind the
   backward of the layers below (``--moe-placement-overlap-sync``); ``flexmoe``: FlexMoE vExperts;
   ``flexmoe_overlap``: the same with the replicas' gradient all-reduces behind the backward
   (``--moe-placement-overlap-sync``);
@@ -22,9 +20,8 @@ A real-text MoE LM whose routing skews on its own (the embedded corpus, 16 exper
 The runs with replicas (``flexmoe``, ``flexmoe_overlap``, ``eplb``, ``idle``) also run as
 ``<run>_spare<N>``: with N spare slots per rank instead of their default one (``--moe-placement-spare-slots``), to
 compare planners at equal spare slots or to see what more replicas buy. The runs with a policy also run as
-``<run>_every<K>`` and ``<run>_plan<M>`` (in that order, after any ``_spare<N>``): the policy run every K steps
-(``--moe-placement-interval``), planning from the last M steps' routing (``--moe-placement-plan-steps``), to
-compare how fast a planner follows the routing against how noisy its verdicts' windows and its counts get.
+``<run>_every<K>`` (after any ``_spare<N>``): the policy run every K steps (``--moe-placement-interval``), to compare
+how fast a planner follows the routing against how noisy its verdicts' windows get.
 
 Every rank is a fixed-speed device by default (``--cpu-share auto``: its own CPU cgroup capped at 0.9 x cores /
 ranks), so a loaded rank cannot borrow the cores its idle peers leave; ``--batch-size`` sets the tokens per rank per
@@ -56,14 +53,13 @@ from ..cluster import netns
 from ..cluster.launcher import run_job
 from .gates import time_to
 
-RUNS = ("static", "capacity", "shadow", "shadow_sync", "shadow_overlap", "shadow_unguarded", "flexmoe",
+RUNS = ("static", "capacity", "shadow", "shadow_overlap", "shadow_unguarded", "flexmoe",
         "flexmoe_overlap", "eplb", "idle")
 DIAGNOSTIC_RUNS = ("shadow_unguarded", "idle")          # run only when asked: they explain the others' numbers
 # these also run as <run>_spare<N>: N spare slots per rank
 REPLICA_RUNS = ("flexmoe", "flexmoe_overlap", "eplb", "idle")
-# these also run as <run>[_spare<N>][_every<K>][_plan<M>]: the policy run every K steps (--moe-placement-interval),
-# planning from the last M steps' routing (--moe-placement-plan-steps)
-POLICY_RUNS = ("shadow", "shadow_sync", "shadow_overlap", "shadow_unguarded", "flexmoe", "flexmoe_overlap",
+# these also run as <run>[_spare<N>][_every<K>]: the policy run every K steps (--moe-placement-interval)
+POLICY_RUNS = ("shadow", "shadow_overlap", "shadow_unguarded", "flexmoe", "flexmoe_overlap",
                "eplb")
 SKEWED = ["--moe-gate", "switch", "--moe-top-k", "1", "--moe-aux-loss-coeff", "0"]
 BALANCED = ["--moe-gate", "gshard", "--moe-top-k", "2", "--moe-second-expert-policy", "all",
@@ -74,35 +70,32 @@ MODEL = ["--hidden", "256", "--layers", "4", "--heads", "4", "--ffn-hidden", "51
 
 
 def split_run(run: str):
-    """(one of RUNS, spare slots per rank or None, policy interval or None, planning steps or None) of a run
-    name: ``flexmoe_overlap_spare2_every5_plan2`` is flexmoe_overlap with two spare slots per rank (the placements
-    with replicas only), its policy run every 5 steps and planning from the last 2 steps' routing (the placements
-    with a policy only); None for a name that is not a run."""
-    found = re.fullmatch(r"(.+?)(?:_spare(\d+))?(?:_every(\d+))?(?:_plan(\d+))?", run)
-    base, spare, every, plan = found[1], found[2], found[3], found[4]
+    """(one of RUNS, spare slots per rank or None, policy interval or None) of a run name:
+    ``flexmoe_overlap_spare2_every5`` is flexmoe_overlap with two spare slots per rank (the placements with replicas
+    only) and its policy run every 5 steps (the placements with a policy only); None for a name that is not a run."""
+    found = re.fullmatch(r"(.+?)(?:_spare(\d+))?(?:_every(\d+))?", run)
+    base, spare, every = found[1], found[2], found[3]
     if base not in RUNS or (spare is not None and (base not in REPLICA_RUNS or int(spare) < 1)) \
-            or any(v is not None and (base not in POLICY_RUNS or int(v) < 1) for v in (every, plan)):
+            or (every is not None and (base not in POLICY_RUNS or int(every) < 1)):
         return None
-    return base, (int(spare) if spare else None), (int(every) if every else None), (int(plan) if plan else None)
+    return base, (int(spare) if spare else None), (int(every) if every else None)
 
 
 def run_order(run: str):
-    base, spare, every, plan = split_run(run)
-    return RUNS.index(base), spare or 0, every or 0, plan or 0
+    base, spare, every = split_run(run)
+    return RUNS.index(base), spare or 0, every or 0
 
 
 def run_flags(run: str, capacity_factor: float) -> List[str]:
-    """The ``megamoe train`` flags of one of RUNS (or ``<run>_spare<N>_every<K>_plan<M>``, ``split_run``)."""
-    base, spare, every, plan = split_run(run)
+    """The ``megamoe train`` flags of one of RUNS (or ``<run>_spare<N>_every<K>``, ``split_run``)."""
+    base, spare, every = split_run(run)
     return (_base_flags(base, capacity_factor) + (["--moe-placement-spare-slots", str(spare)] if spare else [])
-            + (["--moe-placement-interval", str(every)] if every else [])
-            + (["--moe-placement-plan-steps", str(plan)] if plan else []))
+            + (["--moe-placement-interval", str(every)] if every else []))
 
 
 def _base_flags(run: str, capacity_factor: float) -> List[str]:
     return {"static": [], "capacity": ["--moe-dispatch", "capacity", "--moe-capacity-factor", str(capacity_factor)],
             "shadow": ["--moe-placement", "shadow"],
-            "shadow_sync": ["--moe-placement", "shadow", "--no-moe-placement-prefetch"],
             "shadow_overlap": ["--moe-placement", "shadow", "--moe-placement-overlap-sync"],
             "shadow_unguarded": ["--moe-placement", "shadow", "--moe-placement-guard", "-1"],
             "flexmoe": ["--moe-placement", "flexmoe"],
@@ -223,8 +216,6 @@ def read_run(run: str, out: str, batch_size: int, seed: int = 0) -> dict:
             "shadowed_last": placed[-1].get("shadowed", 0.0) if placed else 0.0,
             "shadow_wait_s": _second_half_mean([p["shadow_wait_s"] for p in placed if "shadow_wait_s" in p]),
             "sync_wait_s": _second_half_mean([p["sync_wait_s"] for p in placed if "sync_wait_s" in p]),
-            "sync_exposure": placed[-1].get("sync_exposure") if placed else None,
-            "shadow_exposure": placed[-1].get("shadow_exposure") if placed else None,
             "move_wait_total_s": max([p.get("move_wait_total_s", 0.0) for p in placed] + [0.0]),
             "replicas_last": placed[-1].get("replicas", 0.0) if placed else 0.0,
             "bytes_moved_last": placed[-1].get("bytes_moved", 0.0) if placed else 0.0,
@@ -276,8 +267,8 @@ def main(argv: Optional[List[str]] = None) -> dict:
     p.add_argument("--runs", default=",".join(r for r in RUNS if r not in DIAGNOSTIC_RUNS),
                    help=f"comma list of {', '.join(RUNS)} (default: all but {', '.join(DIAGNOSTIC_RUNS)}); "
                         f"{', '.join(REPLICA_RUNS)} also as <run>_spare<N>: with N spare slots per rank; "
-                        f"{', '.join(POLICY_RUNS)} also with _every<K> and _plan<M> (in that order, after any "
-                        "_spare<N>): the policy run every K steps, planning from the last M steps' routing")
+                        f"{', '.join(POLICY_RUNS)} also with _every<K> (after any _spare<N>): the policy run every "
+                        "K steps")
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--capacity-factor", type=float, default=1.25)
     p.add_argument("--inter-node-bandwidth", default="100MB/s", help="one value or a comma list (a sweep)")
@@ -311,7 +302,7 @@ def main(argv: Optional[List[str]] = None) -> dict:
     if unknown:
         raise SystemExit(f"megamoe bench planners: --runs {','.join(unknown)}: unknown; known: {','.join(RUNS)}, "
                          f"and {'|'.join(REPLICA_RUNS)} with _spare<N> (N >= 1 spare slots per rank), "
-                         f"{'|'.join(POLICY_RUNS)} with _every<K> / _plan<M> (K, M >= 1 steps)")
+                         f"{'|'.join(POLICY_RUNS)} with _every<K> (K >= 1 steps)")
     why = netns.unavailable()
     if why:
         raise SystemExit(f"megamoe bench planners: {why}")
@@ -431,15 +422,10 @@ def format_results(results: dict) -> str:
                          f"{r['token_efficiency']:>7.3f} {r['expert_efficiency']:>7.3f} {r['moves']:>6.0f} "
                          f"{r.get('bytes_moved_total', 0.0) / 1e6:>8.1f} {r['final_valid_loss']:>10.4f} {ttt:>9}")
         for r in c["rows"]:
-            if r.get("sync_exposure") is not None and r["sync_exposure"] < 1.0:
-                lines.append(f"{'':>6} {'':>11} {c['routing']:<15} {r['run']}: the steps waited for "
-                             f"{r['sync_exposure']:.0%} of the replicas' modelled all-reduce time (the backward hid "
-                             f"the rest; {(r.get('sync_wait_s') or 0.0) * 1e3:.1f} ms per step waited, second half)")
-            if r.get("shadow_exposure") is not None and r["shadow_exposure"] < 1.0:
-                lines.append(f"{'':>6} {'':>11} {c['routing']:<15} {r['run']}: the steps waited for "
-                             f"{r['shadow_exposure']:.0%} of the shadows' modelled broadcast + reduce time (the "
-                             f"rest was hidden; {(r.get('shadow_wait_s') or 0.0) * 1e3:.1f} ms per step waited, "
-                             "second half)")
+            for key, what in (("sync_wait_s", "replicas' all-reduces"), ("shadow_wait_s", "shadows' reduces")):
+                if r.get(key):
+                    lines.append(f"{'':>6} {'':>11} {c['routing']:<15} {r['run']}: {r[key] * 1e3:.1f} ms per step "
+                                 f"waited at the backward's end for the overlapped {what} (second half)")
             if r.get("moves") and r.get("move_wait_total_s"):
                 lines.append(f"{'':>6} {'':>11} {c['routing']:<15} {r['run']}: {r['move_wait_total_s']:.2f} s "
                              "spent on the moves' transfers, slowest rank (blocking)")

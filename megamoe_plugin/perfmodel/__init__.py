@@ -11,7 +11,8 @@ Modules:
 * ``profiles``: ``HardwareProfile``, ``PROFILES`` (johnny, trevor, flexmoe-a100) and ``get_profile``: the
   papers' clusters with documented sources, JSON save/load for measured ones.
 * ``roofline``: the DDL-Roofline model (paper 003 §3.3, Eqs.3-6).
-* ``simulate``: replaying routing traces through the cost model.
+* ``simulate``: replaying routing traces through the cost model; ``placement_replay``: the placement planners
+  replayed through them, with FlexMoE §5.4 metrics, and the synthetic skewed, drifting trace.
 * ``schedule``: predicted plain vs smart-scheduled times (paper 003 §4.2).
 * ``calibrate``: measuring a profile on the running cluster.
 

@@ -14,9 +14,8 @@ first run, every rank at the same point):
    broadcast + reduce of one expert (what shadowing costs, with the library's own algorithm) and the fixed cost
    of a tiny MoE layer step; fits a ``HardwareProfile`` and caches it.
 
-``DriftWatch`` refreshes it: the policies log the measured training step time and the model's predicted MoE time
-after every run; when their ratio moves by more than ``tolerance`` (default 50%) away from the ratio seen right after
-calibration, for ``patience`` runs in a row, the profile is measured again (cache replaced).
+The calibration is taken once per job; a cluster whose speed changed is measured again by removing its cached file
+(or with ``megamoe perf calibrate``).
 """
 from __future__ import annotations
 
@@ -24,7 +23,6 @@ import hashlib
 import os
 import platform
 import time
-from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -70,14 +68,13 @@ def _broadcast_json(obj) -> object:
     return box[0]
 
 
-def auto_profile(hidden: int, ffn: int, dtype: torch.dtype = torch.float32, refresh: bool = False,
-                 log=None) -> HardwareProfile:
+def auto_profile(hidden: int, ffn: int, dtype: torch.dtype = torch.float32, log=None) -> HardwareProfile:
     """The cached or freshly measured profile of this job (collective; see the module docstring)."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     sig = signature(hidden, ffn, dtype, _world(), device)
     path = os.path.join(cache_dir(), f"{sig}.json")
     cached = None
-    if _rank() == 0 and not refresh and os.path.isfile(path):
+    if _rank() == 0 and os.path.isfile(path):
         try:
             cached = HardwareProfile.load(path).to_dict()
         except (ValueError, OSError, KeyError):
@@ -178,27 +175,3 @@ def measure_broadcast(group, expert_bytes: int, device) -> tuple:
         ys.append(_timed(both, 2, 1, device, group) / 2)
     alpha, inv_bw = _fit_line(xs, ys)
     return (1.0 / inv_bw if inv_bw > 0 else xs[-1] / ys[-1]), max(alpha, 0.0)
-
-
-class DriftWatch:
-    """Whether the measured step time has drifted from the model's predictions since the calibration: the ratio
-    measured / predicted, compared with the first ones after calibrating (module docstring)."""
-
-    def __init__(self, tolerance: float = 0.5, patience: int = 5, baseline_runs: int = 3):
-        self.tolerance, self.patience, self.baseline_runs = tolerance, patience, baseline_runs
-        self.reset()
-
-    def reset(self) -> None:
-        self._baseline, self._seen, self._strikes = [], 0, 0
-
-    def observe(self, measured: Optional[float], predicted: float) -> bool:
-        """True when the profile should be measured again."""
-        if measured is None or predicted <= 0:
-            return False
-        ratio = measured / predicted
-        if len(self._baseline) < self.baseline_runs:
-            self._baseline.append(ratio)
-            return False
-        base = sorted(self._baseline)[len(self._baseline) // 2]
-        self._strikes = self._strikes + 1 if abs(ratio / base - 1.0) > self.tolerance else 0
-        return self._strikes >= self.patience

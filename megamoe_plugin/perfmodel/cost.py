@@ -11,13 +11,10 @@ Owns the per-layer cost model shared by the planners and simulators:
   4 x all-to-all (2 forward, 2 backward);
 * replicated experts, paper 001 §3.4 Eq.9: ``T_Sync = size(e.gradients) / BPS(group)`` per replicated expert,
   BPS profiled per device group or derived from the network's ring all-reduce; FlexMoE's flexible routing
-  (Algorithm 3: an expert's tokens split evenly over its replicas, each source filling its own replica first);
-  ``sync_exposure`` is the share of T_Sync a step waits for: 1 when the all-reduces complete inside the layer's
-  backward, less when they overlap the layers below (the placement policies set it from the measured waits);
+  (Algorithm 3: an expert's tokens split evenly over its replicas, each source filling its own replica first),
+  all of it charged to the step (an upper bound where the all-reduces overlap the layers below);
 * shadowing, paper 003 §4.1 Eq.8: a shadowed expert's tokens stay on their source, its parameters are broadcast
-  and its gradients reduced (``shadow_layer_time``); ``shadow_exposure`` is the share of that broadcast + reduce a
-  step waits for: 1 when both run inside the layer, less when they are prefetched between steps and reduced
-  behind the layers below (measured, as ``sync_exposure``);
+  and its gradients reduced (``shadow_layer_time``), all of it charged to the step;
 * expert moves, paper 001 §3.4 "Expert Adjustment Cost": size(model states) / Bw_{g,g'} (``move_time``), paid
   between two steps.
 
@@ -98,8 +95,6 @@ class CostModel:
         self.sync_bps = {tuple(sorted(int(r) for r in k)): float(v) for k, v in (sync_bps or {}).items()}
         self.shared_gemm_flops = float(shared_gemm_flops or 0.0)
         self.bcast = bcast          # (bytes/s, seconds) of one measured broadcast (or reduce) over all ranks
-        self.sync_exposure = 1.0    # share of the replicas' all-reduce time the step waits for (module docstring)
-        self.shadow_exposure = 1.0  # share of the shadows' broadcast + reduce time the step waits for (likewise)
 
     def _per_rank(self, value, what) -> torch.Tensor:
         t = torch.as_tensor(value, dtype=torch.float64).reshape(-1)
@@ -200,12 +195,11 @@ class CostModel:
         rank_tokens = self._route(c, m)
         comp = 3.0 * self.compute_time(rank_tokens.sum(0))
         a2a = 4.0 * self.alltoall_time(rank_tokens)
-        sync = self.sync_exposure * self.replica_sync_time(m, sync_cache)
+        sync = self.replica_sync_time(m, sync_cache)
         return Breakdown(comp, a2a, sync, comp + a2a + sync)
 
     def replica_sync_time(self, multiplicity: torch.Tensor, sync_cache: Optional[dict] = None) -> float:
-        """Eq.9 summed over the experts replicated on more than one rank of an [E, P] multiplicity matrix, all of
-        it (``sync_exposure`` not applied)."""
+        """Eq.9 summed over the experts replicated on more than one rank of an [E, P] multiplicity matrix."""
         m = torch.as_tensor(multiplicity)
         sync = 0.0
         size = self.shape.expert_param_bytes
@@ -237,15 +231,15 @@ class CostModel:
         rank_tokens = self._route(rest, m[keep]) + torch.diag(local)
         comp = 3.0 * self.compute_time(rank_tokens.sum(0))
         a2a = 4.0 * self.alltoall_time(rank_tokens)
-        sync = self.shadow_exposure * self.shadow_sync_time(shadowed, m)
+        sync = self.shadow_sync_time(shadowed, m)
         # replicated (non-shadowed) experts still all-reduce their gradients
         rest_m = m.clone()
         rest_m[~keep] = 0.0
-        sync += self.sync_exposure * self.replica_sync_time(rest_m)
+        sync += self.replica_sync_time(rest_m)
         return Breakdown(comp, a2a, sync, comp + a2a + sync)
 
     def shadow_sync_time(self, shadowed: Iterable[int], multiplicity: Optional[torch.Tensor] = None) -> float:
-        """Eq. 8's communication for ``shadowed`` experts, all of it (``shadow_exposure`` not applied): per expert a
+        """Eq. 8's communication for ``shadowed`` experts: per expert a
         broadcast of its parameters from its owner (its first rank in the [E, P] ``multiplicity``; None =
         contiguous blocks) and a reduce of its gradients back."""
         m = self.placement_matrix(None, self.shape.num_experts) if multiplicity is None else multiplicity

@@ -43,7 +43,7 @@ from typing import Dict, List, Optional, Sequence
 
 import torch
 
-from .state import PlacementState
+from ..placement.state import PlacementState
 from ..stats import TRACE_SCHEMA
 
 __all__ = ["simulate_placement", "layer_metrics", "synthetic_trace", "write_trace", "capacity_counts"]

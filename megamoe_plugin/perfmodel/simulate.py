@@ -18,7 +18,7 @@ a placement (per expert, the list of ranks holding a replica) -- the hook throug
 
 Planner mode: ``simulate_trace(..., planner=FlexMoEPlanner(...) | ShadowPlanner(...) | StaticPlanner())`` (or
 ``capacity_factor=`` for DeepSpeed-style static dispatch) hands the remapped counts to
-``megamoe_plugin.placement.simulate.simulate_placement``: one placement state per layer carried over the steps, the
+``megamoe_plugin.perfmodel.placement_replay.simulate_placement``: one placement state per layer carried over the steps, the
 planner deciding before every step from the previous step's counts, its moves' transfer time added to that step,
 and per-step metrics (balance ratio, token and expert efficiency, replicas, moves, bytes moved; see there).
 """
@@ -27,7 +27,7 @@ from __future__ import annotations
 from typing import Callable, Dict, List, Optional, Sequence, Union
 
 import torch
-from ..placement.simulate import simulate_placement
+from .placement_replay import simulate_placement
 from ..stats import load_trace
 from .cost import CostModel
 from .network import Network
@@ -77,7 +77,7 @@ def simulate_trace(trace: Union[str, dict], profile, shape, world_size: Optional
     ``cost_model`` overrides both profile and topology (e.g. a calibrated one).
 
     ``planner`` (or ``capacity_factor=`` in ``planner_options``): the planner mode of the module docstring; the rows
-    then also hold ``transfer`` (included in ``total``) and the metrics of ``placement.simulate``.
+    then also hold ``transfer`` (included in ``total``) and the metrics of ``placement_replay``.
     ``planner_options`` go to ``simulate_placement`` (slots_per_rank, max_replicas_per_rank, decide_on,
     capacity_factor, states)."""
     data = _load(trace)

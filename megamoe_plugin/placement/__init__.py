@@ -8,13 +8,15 @@
 * ``runtime``: ``PlacementRuntime``, the live placement of one layer (tokens to vExpert slots, replica gradient
   all-reduce, shadow copies, moves carrying optimizer state); ``optim_state`` finds that state in trainers'
   optimizers; ``checkpoint`` saves and loads experts by logical id;
-* ``policies``: ``--moe-placement flexmoe`` and ``shadow``, run by the after-step hook;
-* ``simulate``: the planners replayed through routing traces on the performance model, with FlexMoE §5.4 metrics.
+* ``policies``: ``--moe-placement flexmoe``, ``shadow`` and ``eplb``, run by the after-step hook;
+* ``guard``: the pay-off guard that undoes a change the measured steps say lost; ``eplb``: DeepSeek's EPLB planner.
+
+The planners replayed offline through routing traces on the performance model live in ``perfmodel.placement_replay``.
 
 The planners are pure and deterministic (no process group): the runtime calls them on every rank with the same
 global counts and executes the moves they return.
 
-``flexmoe``, ``shadow`` and ``simulate`` import the performance model, which imports ``state``; they are loaded on
+``flexmoe`` and ``shadow`` import the performance model, which imports ``state``; they are loaded on
 first use of their names here (``from megamoe_plugin.placement import FlexMoEPlanner`` works).
 """
 from .hooks import (AfterStepHook, StepContext, build_placement_policy, register_placement_policy,
@@ -26,7 +28,6 @@ from . import policies  # noqa: F401  (registers --moe-placement flexmoe and sha
 _LAZY = {
     "FlexMoEPlanner": "flexmoe", "StaticPlanner": "flexmoe",
     "ShadowPlanner": "shadow", "select_shadow_experts": "shadow", "shadow_search": "shadow",
-    "simulate_placement": "simulate", "synthetic_trace": "simulate", "write_trace": "simulate",
 }
 
 __all__ = ["AfterStepHook", "StepContext", "build_placement_policy", "register_placement_policy",

@@ -15,13 +15,6 @@ Given each expert's load (a moving average of its token counts) and ``P x S`` ph
    is given to the current rank that already holds most of its experts) and reached by Expand / Shrink / Migrate
    moves (``moves_to``), which carry parameters and optimizer state.
 
-At run time the planner also builds a move-aware table (``eplb_table(current=...)``: where two packs are equally
-light, an expert stays on the node, and a replica on the rank, that holds it now; on a skewed layer most experts
-are light, and the published packing reshuffles them by ties). Of the two, it keeps the one with fewer moves
-unless the cost model predicts the other faster, transfers included, by more than its error (the policy's 5% of
-the step): a move costs more than its transfer (its step waits on it, the guard judges it), and a difference
-inside the model's error is not one the model can see.
-
 ``EPLBPlanner`` reruns this every call (the policy calls it every ``--moe-placement-interval`` steps) from an
 exponential moving average of the counts, and keeps a new table only when the cost model predicts it is faster
 than the current placement by more than the moves' transfer time amortised over the interval: on balanced
@@ -54,17 +47,11 @@ def replicate_by_load(load: Sequence[float], slots: int, max_replicas: Optional[
 
 
 def balanced_packing(weights: Sequence[float], capacities: Sequence[int],
-                     labels: Optional[Sequence[int]] = None,
-                     prefer: Optional[Sequence[Sequence[int]]] = None) -> List[int]:
+                     labels: Optional[Sequence[int]] = None) -> List[int]:
     """The pack of each item: heaviest first (ties: lower index), each to the lightest pack (ties: lower pack) that
     still has room (``capacities[p]`` items) and, with ``labels``, holds no item of the same label yet. With labels,
     the items whose label repeats (an expert's replicas) go first, heaviest first: placed last, they could find the
-    only packs with room already holding their expert.
-
-    ``prefer[i]``: packs item i already sits in (the current placement). Where one of them has room and is as light
-    as the lightest pack, the item goes there (the first such): every greedy step is as balanced as without the
-    preference, and the weightless items (most of a skewed layer's experts) stay where they are instead of being
-    reshuffled by ties."""
+    only packs with room already holding their expert."""
     if len(weights) != sum(capacities):
         raise ValueError(f"{len(weights)} items do not fill packs of {list(capacities)}")
     repeats = {} if labels is None else {lab: list(labels).count(lab) for lab in labels}
@@ -79,10 +66,6 @@ def balanced_packing(weights: Sequence[float], capacities: Sequence[int],
         if not ok:
             raise PlacementError("balanced packing: no pack has room for an item without repeating its expert")
         p = min(ok, key=lambda q: (total[q], q))
-        if prefer is not None:
-            stay = [q for q in prefer[i] if q in ok and total[q] <= total[p]]
-            if stay:
-                p = stay[0]
         pack[i] = p
         total[p] += float(weights[i])
         size[p] += 1
@@ -92,12 +75,10 @@ def balanced_packing(weights: Sequence[float], capacities: Sequence[int],
 
 
 def eplb_table(load: Sequence[float], nodes: Sequence[Sequence[int]], slots_per_rank: int,
-               keep_free: int = 1, current: Optional[Sequence[Sequence[Optional[int]]]] = None) -> List[List[int]]:
+               keep_free: int = 1) -> List[List[int]]:
     """The target slot table: for every rank (in rank order) the experts of its slots. ``nodes``: the ranks of each
     node. ``keep_free`` slots (on the last ranks) stay empty: moving to the table needs one free slot to reorder
-    full ranks through (there is no swap primitive). ``current``: the experts each rank holds now (None = free
-    slot); with it, packing keeps an expert on its node and a replica on a rank that holds its expert wherever
-    that is as balanced (``balanced_packing``'s ``prefer``), so a new table moves only what balance needs."""
+    full ranks through (there is no swap primitive)."""
     load = [float(x) for x in load]
     num_experts = len(load)
     ranks = sorted(r for node in nodes for r in node)
@@ -108,22 +89,15 @@ def eplb_table(load: Sequence[float], nodes: Sequence[Sequence[int]], slots_per_
     capacity = {r: slots_per_rank for r in ranks}
     for r in sorted(ranks, reverse=True)[:keep_free]:
         capacity[r] -= 1
-    held = [set() for _ in ranks] if current is None else [{e for e in row if e is not None} for row in current]
     per_node = num_experts // len(nodes)
-    node_pref = None
-    if current is not None:                              # the nodes holding most of each expert's replicas first
-        node_pref = [sorted((k for k, node in enumerate(nodes) if any(e in held[r] for r in node)),
-                            key=lambda k: -sum(e in held[r] for r in nodes[k])) for e in range(num_experts)]
-    node_of_expert = (balanced_packing(load, [per_node] * len(nodes), prefer=node_pref) if len(nodes) > 1
-                      else [0] * num_experts)
+    node_of_expert = balanced_packing(load, [per_node] * len(nodes)) if len(nodes) > 1 else [0] * num_experts
     table: List[List[int]] = [[] for _ in ranks]
     for k, node in enumerate(nodes):
         experts = [e for e in range(num_experts) if node_of_expert[e] == k]
         count = replicate_by_load([load[e] for e in experts], sum(capacity[r] for r in node), len(node))
         items = [e for e, c in zip(experts, count) for _ in range(c)]
         weights = [load[e] / c for e, c in zip(experts, count) for _ in range(c)]
-        rank_pref = None if current is None else [[p for p, r in enumerate(node) if e in held[r]] for e in items]
-        pack = balanced_packing(weights, [capacity[r] for r in node], labels=items, prefer=rank_pref)
+        pack = balanced_packing(weights, [capacity[r] for r in node], labels=items)
         for e, p in zip(items, pack):
             table[node[p]].append(e)
     return [sorted(t) for t in table]
@@ -218,21 +192,15 @@ class EPLBPlanner:
     horizon: steps over which a change's transfer time is amortised (the rerun interval).
     min_gain: a new table is kept only when it predicts at least this fraction of the layer's step saved, net of
     its transfers (the policy uses 5%: smaller gains are within the cost model's error).
-    equal_within: tables predicted (transfers amortised) within this fraction of the layer's step of the best one
-    are equal as far as the model can tell; of those, the one with the fewest moves is kept (every move costs
-    what the model does not see: the guard's window, the optimizer state it carries). 0: the best prediction.
     ``last`` after a call: triggered, time_before / time_after (predicted s of a layer step), transfer_time,
     moves."""
 
-    def __init__(self, cost_model, decay: float = 0.5, horizon: float = 10.0, nodes=None, min_gain: float = 0.0,
-                 equal_within: float = 0.0):
+    def __init__(self, cost_model, decay: float = 0.5, horizon: float = 10.0, nodes=None, min_gain: float = 0.0):
         if not 0.0 <= decay < 1.0:
             raise ValueError(f"decay must be in [0, 1), got {decay}")
         if not 0.0 <= min_gain < 1.0:
             raise ValueError(f"min_gain must be in [0, 1), got {min_gain}")
-        if not 0.0 <= equal_within < 1.0:
-            raise ValueError(f"equal_within must be in [0, 1), got {equal_within}")
-        self.min_gain, self.equal_within = float(min_gain), float(equal_within)
+        self.min_gain = float(min_gain)
         self.cm = cost_model
         self.decay = float(decay)
         self.horizon = float(horizon)
@@ -247,27 +215,18 @@ class EPLBPlanner:
                                                                                       :state.num_ranks])
         nbytes = model_state_bytes(self.cm.shape)
         load = self.average.sum(0).tolist()
-        current = [state.slots_of(r) for r in range(state.num_ranks)]
         before = self.cm.layer_time(self.average, state.placement()).total
-        tables = []                                       # (predicted step + amortised transfer, moves, after, transfer)
+        best = None                                       # (predicted step + amortised transfer, moves, after, transfer)
         for groups in (nodes, [list(range(state.num_ranks))]):   # hierarchical; else balanced over all ranks
-            for here in (None, current):                  # the published packing, and the move-aware one
-                try:
-                    target = _match_ranks(state, eplb_table(load, groups, state.slots_per_rank, current=here), groups)
-                    moves = moves_to(state, target, nbytes)
-                except (PlacementError, ValueError):      # no table without two replicas of an expert on a rank
-                    continue
-                after = self.cm.layer_time(self.average, state.copy().apply(moves).placement()).total
-                transfer = sum(self.cm.move_time(m.nbytes, m.src, m.dst) for m in moves
-                               if m.communicates)
-                tables.append((after + transfer / self.horizon, moves, after, transfer))
-            if tables:
-                break
-        best = None
-        if tables:
-            fastest = min(t[0] for t in tables)
-            best = min((t for t in tables if t[0] <= fastest + self.equal_within * before),
-                       key=lambda t: (len(t[1]), t[0]))
+            try:
+                target = _match_ranks(state, eplb_table(load, groups, state.slots_per_rank), groups)
+                moves = moves_to(state, target, nbytes)
+            except (PlacementError, ValueError):          # no table without two replicas of an expert on a rank
+                continue
+            after = self.cm.layer_time(self.average, state.copy().apply(moves).placement()).total
+            transfer = sum(self.cm.move_time(m.nbytes, m.src, m.dst) for m in moves if m.communicates)
+            best = (after + transfer / self.horizon, moves, after, transfer)
+            break
         if best is None:
             self.last = {"triggered": False, "time_before": before, "time_after": before, "transfer_time": 0.0,
                          "moves": 0}

@@ -1,25 +1,21 @@
 """The pay-off guard: a placement change is kept only when the steps measured after it are not slower than those
-before it, so a policy never loses to the placement it started from by more than the guard's margin (the papers'
-planners trust their cost models; this is what keeps a model that is wrong on this machine from costing steps).
+before it (the papers' planners trust their cost models; this keeps a model that is wrong here from costing steps).
 
 - Each change is judged once its window of steps is complete (``check``; no new change meanwhile): the median step
-  after it, plus the change's own time spread over the window, against the median step before it, the latter moved
-  by the cost model's step difference of the OLD placement between the two windows' routing (the drift is not
-  the change's fault). Slower by more than ``margin`` plus ``undo_sigmas`` standard errors: undone (the previous
-  slot table and shadow set restored) and the policy pauses ``backoff ** strikes`` runs; within the margin: kept;
+  after it, plus the change's own time spread over the window, against the median step before it moved by the
+  routing's drift (``_drift_credit``). Slower by more than ``margin`` plus ``undo_sigmas`` standard errors: undone
+  (the previous slot table and shadow set restored) and the policy pauses ``backoff ** strikes`` runs; within it: kept;
   in between: judged again a window later, up to ``verdict_windows`` windows, then by the margin alone.
 - Away from the original placement, a watch compares the steps since it left with the ``reference`` (the median
   of the last ``reference_steps`` steps run there) at 2, 4, 8, ... windows: slower by more than the margin (and,
   before ``sure_windows`` windows, the noise) returns to the original placement; after ``max_returns`` returns the
-  policy stops for the run.
-- ``resolvable_gain``: the smallest saving two window medians tell apart from the job's step noise
-  (``step_noise``); the policies ask their planners for at least that much.
-- ``realisation``: the share of their predicted savings the verdicts measured (a prior of one verdict that
-  delivered its prediction, weights halving every ``realisation_half_life`` windows, at least
-  ``min_realisation``); the policies divide their planners' threshold by it.
+  policy stops for the run. Before any change was kept, an undone change made from the original placement counts
+  as a return too: a policy whose first ``max_returns`` trials all lost stops (the model is wrong on this job).
+- ``step_noise``: a step's relative spread from one step to the next at the original placement (the verdicts'
+  standard errors); ``resolvable_gain``: the least saving a verdict tells from it (the planners must predict it).
 
-Every median and time is the maximum over the job's ranks (one all-reduce), so every rank decides the same. The
-constants are ``GuardSettings``; the measurements that set them are in docs/history/ (the guard's design notes).
+Every median and time is the maximum over the job's ranks (one all-reduce), so every rank decides the same.
+Constants: ``GuardSettings``; the measurements behind them: docs/history/ (the guard's design notes).
 """
 from __future__ import annotations
 
@@ -50,24 +46,25 @@ class GuardSettings:
     """After an undo the policy pauses ``backoff ** strikes`` runs (strikes: consecutive undos)."""
     max_pause: int = 32
     """The longest pause, in runs, after an undo or a return to the original placement."""
+    warmup_steps: int = 10
+    """The run's first steps, slower while caches and allocators warm up, are not observed: judged against them a
+    change looks cheaper than it is."""
     min_reference: int = 6
-    """Steps under the original placement before a policy may make its first change."""
+    """Steps under the original placement (after the warm-up) before a policy may make its first change."""
     max_returns: int = 2
     """Returns to the original placement after which the policy stops for the run."""
     reference_steps: int = 64
     """The reference is the median of the last this many steps under the original placement."""
     resolve_sigmas: float = 2.0
-    """A change's predicted saving must exceed this many standard deviations of its verdict."""
+    """A change's predicted saving must exceed this many standard deviations of its first verdict against the start."""
+    max_drift: float = 0.05
+    """The routing's drift, as the cost model prices it, excuses at most this fraction of a step in a verdict."""
     undo_sigmas: float = 1.0
     """An early verdict or watch undoes a loss only beyond the margin by this many standard errors."""
     verdict_windows: int = 3
     """An inconclusive verdict waits for up to this many windows after the change, then the margin decides."""
     sure_windows: int = 4
     """From this many windows away from the original placement the watch judges by the margin alone."""
-    min_realisation: float = 0.05
-    """The lowest share of its predicted savings a cost model is trusted to deliver."""
-    realisation_half_life: int = 3
-    """A verdict's weight in the realisation halves every this many windows of steps."""
 
 
 def job_max(value: Optional[float]) -> Optional[float]:
@@ -95,7 +92,6 @@ class _Change:
     window: int
     snapshots: List[Tuple[object, PlacementState, Tuple[int, ...]]] = field(default_factory=list)
     from_origin: bool = False                         # made from the original placement: undoing it returns there
-    predicted_s: Optional[float] = None               # the saving per step its planner predicted
     before_model_s: Optional[float] = None            # the model's step of the old placement on the counts before
     old_after_s: List[float] = field(default_factory=list)   # the model's step of the old placement, per window after
 
@@ -123,9 +119,6 @@ class PayoffGuard:
         self.away_steps = 0                           # every step since the placement left it
         self._next_watch = 0                          # away_steps at which the next watch verdict falls
         self.observed = 0                             # every step observed (``steps`` keeps the recent ones)
-        # per verdict with a prediction: (step observed, window, predicted saving (s), the saving it counts (s))
-        self.verdicts: List[Tuple[int, int, float, float]] = []
-        self.judged = 0                               # verdicts with a prediction
         self.job_noise: Optional[float] = None        # the job's step_noise, as the policy last all-reduced it
         self.last_drift_s = 0.0                       # how far the last verdict moved the steps before (s)
         self.inconclusive = 0                         # verdicts and watches that found a loss within the noise
@@ -140,8 +133,10 @@ class PayoffGuard:
     def observe(self, seconds: float) -> None:
         """One training step's duration (called by the after-step hook after every step)."""
         if self.enabled:
-            self.steps.append(float(seconds))
             self.observed += 1
+            if self.observed <= self.settings.warmup_steps:
+                return
+            self.steps.append(float(seconds))
             if self.pending is None and len(self.steps) > 256:
                 del self.steps[:-128]
             if self.at_origin:
@@ -187,7 +182,8 @@ class PayoffGuard:
             if old_after is not None:
                 change.old_after_s.append(old_after)
             if change.old_after_s:                    # the old placement on the routing of every window judged
-                before_s = max(before_s + statistics.fmean(change.old_after_s) - change.before_model_s, 0.0)
+                before_s = max(before_s + self._drift_credit(statistics.fmean(change.old_after_s)
+                                                             - change.before_model_s, before_s), 0.0)
         final = len(after) >= self.settings.verdict_windows * change.window
         behind = self._behind(interval, drift)
         lost = measured > before_s * (1.0 + self.settings.margin)
@@ -198,13 +194,6 @@ class PayoffGuard:
             return WAIT
         self.pending = None
         self.last_drift_s = before_s - change.before_s
-        if change.predicted_s is not None and change.predicted_s > 0:
-            realised = before_s - measured + self.verdict_error(change, len(after))
-            self.verdicts.append((self.observed, change.window, change.predicted_s,
-                                  min(change.predicted_s, max(realised, 0.0))))
-            self.verdicts = [v for v in self.verdicts                   # weighs under 2 ** -20 by now
-                             if self.observed - v[0] < 20 * self.settings.realisation_half_life * v[1]]
-            self.judged += 1
         if not behind and not lost:
             self.kept += 1
             self.strikes = 0
@@ -213,11 +202,15 @@ class PayoffGuard:
         self.strikes += 1
         self.pause = min(self.settings.backoff ** self.strikes, self.settings.max_pause)
         if behind or change.from_origin:
-            return self._return_to_origin(counted=behind)
-        # back to the placement before this change: the routing has moved since that placement was judged, so the
-        # watch judges it afresh on its own steps, not on the steps of its earlier, better-suited, days
-        self._restart_watch(at_origin=False)
+            # a trial from the start that lost before any change paid counts as a return: a cost model that has
+            # not been right once on this job stops after ``max_returns`` such trials
+            return self._return_to_origin(counted=behind or self.kept == 0)
         return self._undo(change.snapshots)
+
+    def _drift_credit(self, modelled: float, step_s: float) -> float:
+        """The routing's drift as a verdict counts it: the cost model's difference of the old placement between two
+        windows' counts, at most ``max_drift`` of the step (an uncapped credit kept changes that lost at 512 tokens)."""
+        return min(modelled, self.settings.max_drift * step_s)
 
     def _behind(self, interval: int, drift=None) -> bool:
         """Whether the steps since the placement left the original one are slower than the reference (beyond the
@@ -239,7 +232,7 @@ class PayoffGuard:
         if drift is not None and self.reference_model_s is not None and self.origin is not None:
             now = drift(self.origin)
             if now is not None:
-                reference = max(reference + now - self.reference_model_s, 0.0)
+                reference = max(reference + self._drift_credit(now - self.reference_model_s, reference), 0.0)
         away = job_max(statistics.median(self.away))
         if away <= reference * (1.0 + self.settings.margin):
             return False
@@ -306,11 +299,10 @@ class PayoffGuard:
         return 1.4826 * jumps / (2.0 ** 0.5) / med if med > 0 else None
 
     def resolvable_gain(self, interval: int, noise: Optional[float]) -> float:
-        """The smallest fraction of a step that a change must save for the guard to tell it from noise. The first
-        verdict that weighs a change against the original placement sees the steps of two windows since it left;
-        that median and the reference differ by noise alone with a standard deviation of about
-        sqrt(2) x 1.25 x noise / sqrt(2 x window) (1.25: a median's standard error over a mean's); two of those.
-        0 with the guard off or no estimate yet."""
+        """The smallest fraction of a step a change must save for the guard to tell it from the steps' noise: the
+        first verdict against the start compares the median of two windows with the reference, which differ by
+        noise alone with a standard deviation of about sqrt(2) x 1.25 x noise / sqrt(2 x window) (1.25: a median's
+        standard error over a mean's); ``resolve_sigmas`` of those. 0 with the guard off or no estimate yet."""
         if not self.enabled or noise is None:
             return 0.0
         return self.settings.resolve_sigmas * 1.25 * (2.0 ** 0.5) * noise / (2 * self.window(interval)) ** 0.5
@@ -326,19 +318,6 @@ class PayoffGuard:
         that vary by the job's ``step_noise`` (a median's standard error is about 1.25 x the mean's)."""
         return 1.25 * (self.job_noise or 0.0) * step_s * (1.0 / n1 + 1.0 / n2) ** 0.5
 
-    def realisation(self) -> float:
-        """The share of its predicted savings the model has delivered on this run (module docstring): 1 before any
-        verdict; each verdict weighted by 2 ** -(its age in windows / realisation_half_life); the same on every
-        rank (the verdicts' inputs are job-wide, and every rank observes as many steps)."""
-        if not self.enabled or not self.verdicts:
-            return 1.0
-        prior = statistics.fmean(v[2] for v in self.verdicts)
-        weights = [0.5 ** ((self.observed - at) / (self.settings.realisation_half_life * window))
-                   for at, window, _, _ in self.verdicts]
-        predicted = sum(w * v[2] for w, v in zip(weights, self.verdicts))
-        realised = sum(w * v[3] for w, v in zip(weights, self.verdicts))
-        return min(1.0, max(self.settings.min_realisation, (realised + prior) / (predicted + prior)))
-
     def paused(self) -> bool:
         """Whether this run must not change the placement: after an undo (counts the run), before the reference
         has ``min_reference`` steps, or for good once ``stopped``."""
@@ -353,17 +332,16 @@ class PayoffGuard:
 
     def record(self, before_s: Optional[float], cost_s: float, interval: int, runtimes: Sequence[object],
                states: Sequence[PlacementState], shadows: Sequence[Tuple[int, ...]],
-               predicted_s: Optional[float] = None, before_model_s: Optional[float] = None) -> None:
+               before_model_s: Optional[float] = None) -> None:
         """A run changed the placement: remember what it was, to judge the change once its window is measured.
         ``before_s``: the job's median step before the change (``job_max(baseline(interval))``); ``cost_s``: this
-        rank's time for the run that made it; ``predicted_s``: the saving per step its planner predicted (for
-        ``realisation``); ``before_model_s``: the model's step time of the old placement on the counts of the
+        rank's time for the run that made it; ``before_model_s``: the model's step time of the old placement on the counts of the
         steps before the change (the reference ``check``'s ``drift`` is taken against; job-wide). Collective (every
         rank records the same change): the verdict adds the slowest rank's cost, so every rank judges the change
         alike."""
         if before_s is None or not self.enabled:
             return
-        cost_s, predicted_s = job_max_many([cost_s, predicted_s])
+        cost_s = job_max(cost_s)
         snapshots = [(rt, state.copy(), tuple(shadow)) for rt, state, shadow in zip(runtimes, states, shadows)]
         from_origin = self.at_origin
         if from_origin:                               # the steps before this change ran the original placement
@@ -374,4 +352,4 @@ class PayoffGuard:
             self.reference_model_s = before_model_s
             self._restart_watch(at_origin=False)
         self.pending = _Change(before_s, cost_s, len(self.steps), self.window(interval), snapshots, from_origin,
-                               predicted_s, before_model_s)
+                               before_model_s)

@@ -6,11 +6,9 @@ Adapters call ``AfterStepHook.run(model, optimizer, iteration)`` right after ``o
 around ``train_step``; fairseq: after ``trainer.train_step``); the hook calls the configured policy every
 ``--moe-placement-interval`` steps.
 
-A policy is a callable ``policy(ctx: StepContext) -> None`` (or an object with ``__call__``). Name one with
-``--moe-placement``:
+A policy is a callable ``policy(ctx: StepContext) -> None``. Name one with ``--moe-placement``:
 - ``none`` (default): nothing runs;
-- ``flexmoe`` / ``shadow`` (policies.py): FlexMoE re-placement and FasterMoE shadowing, executed by the
-  layers' ``PlacementRuntime`` (runtime.py);
+- ``flexmoe`` / ``shadow`` / ``eplb`` (policies.py), executed by the layers' ``PlacementRuntime`` (runtime.py);
 - a name added with ``@register_placement_policy("name")`` (a class or factory taking the MoEConfig);
 - ``package.module:attr``: imported, so a policy can live in the user's code without registering it first.
 """

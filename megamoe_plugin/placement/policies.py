@@ -6,63 +6,44 @@ Each run, for every MoE layer of this rank (in model order):
 1. the last steps' routing: the [E] counts this rank's training forwards sent (``PlacementRuntime.step_counts``),
    all-gathered over the expert-parallel group into [P, E] and summed over the expert-data-parallel group, so
    every expert-parallel group of the job plans from the same numbers and keeps the same placement (its slots are
-   reduced together); in the same collective, the counts of the planners' window, the last
-   ``--moe-placement-plan-steps`` steps (``PlacementRuntime.recent``; 3 for flexmoe: the last steps' hot experts
-   predict the next interval's better than the whole interval's while the routing drifts), from which the planners
-   decide and their predicted saving is priced;
+   reduced together); in the same collective, the counts of the planners' window (``PlacementRuntime.recent``:
+   FlexMoE's last 3 steps, ``MoEConfig.placement_plan_window``), from which the planners decide;
 2. the decision, deterministic, on every rank:
    * ``flexmoe``: ``FlexMoEPlanner`` (paper 001 Alg. 1-2: balance-ratio trigger ``--moe-placement-threshold``,
      Expand the hottest per-vExpert load, Shrink the coldest, keep a change only when the cost model predicts a
-     gain net of its transfer, then Migrate for cheaper synchronisation; at most ``--moe-placement-max-moves``);
+     gain net of its transfer, then Migrate for cheaper synchronisation; at most ``FLEXMOE_MAX_MOVES`` per layer);
    * ``shadow``: ``ShadowPlanner`` (paper 003 Alg. 1 with Eqs. 7-8): the experts to shadow in the next steps;
    * ``eplb``: ``EPLBPlanner`` (DeepSeek's EPLB, eplb.py): a whole new slot table from the moving-average load,
      reached by Expand / Shrink / Migrate, kept only when the cost model predicts a gain net of the moves;
    the ranks of an expert-parallel group check that they agree (one tiny all-reduce);
 3. execution: ``apply_placement`` moves parameters + optimizer state point to point and prepares the replica
-   groups (collective over the default group: every rank calls it, with or without moves); the shadowed experts'
-   copies for the next forwards are broadcast asynchronously right away (``--moe-placement-prefetch``), so they
-   overlap the next batch and the layers below instead of waiting in the layer's forward;
+   groups (collective over the default group: every rank calls it, with or without moves);
 4. the pay-off guard (guard.py, ``--moe-placement-guard``): once the steps after a change are measured (a window
    of at least 3 steps; no new change meanwhile), a change whose median step is slower than the median before it is
    undone, and the policy pauses; a placement whose steps run slower than the original placement's goes back
    there, and after two such returns the policy stops for the run;
 5. an idle policy backs off (``_back_off``): at the original placement, each run that changed nothing skips the
    next 1, 2, 4, ... runs (at most ``IDLE_GAP_STEPS`` steps apart), so a policy with nothing to do costs the steps
-   almost nothing.
-
-The measurements behind these choices are in docs/history/ (the guard's and policies' design notes).
+   almost nothing. The measurements behind these choices: docs/history/ (the guard's and policies' design notes).
 
 The cost model is the hardware profile ``--moe-placement-profile`` at the expert-parallel size, with the layer's real
 shape: ``auto`` (the default) calibrates the running job's own process groups at the first run (a second or two,
-cached per cluster; ``perfmodel.autoprofile``) and again when the measured step times drift away from the
-predictions; a named profile or the JSON that ``megamoe perf calibrate`` writes overrides it.
+cached per cluster; ``perfmodel.autoprofile``); a named profile or the JSON that ``megamoe perf calibrate`` writes overrides it.
 
-``metrics`` after a run (floats; layer means for ratios, sums for counts): ``balance_ratio`` (Eq. 6 of the last
-steps' routing under the placement they ran with), ``balance_ratio_next`` (the same counts under the new
-placement), ``token_efficiency`` (kept / routed assignments), ``expert_efficiency`` (useful expert rows / (P x
-the busiest rank's rows)), ``replicas`` (vExperts beyond one per expert, shadow copies included), ``shadowed``,
-``moves``, ``bytes_moved`` (model-state bytes sent by the group's ranks), ``changes_kept`` / ``changes_undone``
-(the guard's verdicts so far; ``verdicts_inconclusive``: verdicts that found a loss within the steps' noise and
-waited for more steps; ``returned_to_start``: undos that went back to the original placement;
-``guard_stopped``: 1 once the guard stopped the policy for the run; ``verdict_drift_s``: how far the last verdict
-moved the steps before the change for the routing's drift, ``PayoffGuard.check``), ``predicted_step_s`` (the cost model's MoE-layer time of one step with the last
-steps' mean counts under the placement they ran with, summed over layers), ``predicted_static_step_s`` (the same
-counts under static contiguous experts: the two give the model's predicted saving per step), ``shadow_wait_s``
-(seconds per step the forwards waited for the shadowed experts' prefetched copies, ``--moe-placement-prefetch``, plus
-the backward passes' ends for their overlapped gradient reduces, ``--moe-placement-overlap-sync``: the part of
-shadowing's communication not hidden behind other work) and ``shadow_exposure`` (with both on, that wait over the
-model's Eq. 8 broadcast + reduce time, the share the model now charges), ``sync_wait_s`` (seconds per step the
-backward passes' ends waited for the overlapped replica all-reduces, ``--moe-placement-overlap-sync``) and ``sync_exposure`` (that wait
-over the model's Eq. 9 time of the replicas that ran: the share of replica sync the model now charges, so
-1 - ``sync_exposure`` is the measured hidden fraction), ``move_wait_s`` (the seconds the slowest rank spent
-blocking on the previous run's moves; ``move_wait_total_s`` summed over the run),
-``measured_step_s`` (wall time per optimizer step since the previous run, the whole training step),
-``step_noise`` (the relative spread of a step under the original placement from one step to the next, the
-slowest rank's) and
-``realisation`` (the share of its predicted savings the model delivered in the guard's verdicts so far,
-``PayoffGuard.realisation``) and ``required_gain`` (the fraction of the MoE layers' predicted time a change had to
-save at this run: 5%, or what the pay-off guard can tell from that noise, ``PayoffGuard.resolvable_gain``, divided
-by the realisation).
+A change is made only when the cost model predicts it saves, transfers included, ``MIN_PREDICTED_GAIN`` of the MoE
+layers' time (the model's error on a step is about 10%), or what the guard can tell from the steps' noise if more
+(``required_gain`` in the metrics).
+
+``metrics`` after a run (layer means for ratios, sums for counts): ``balance_ratio`` (Eq. 6 of the last steps'
+routing under the placement they ran with) and ``balance_ratio_next`` (under the new one),
+``token_efficiency`` (kept / routed assignments), ``expert_efficiency`` (useful expert rows / (P x the busiest
+rank's rows)), ``replicas`` (vExperts beyond one per expert, shadow copies included), ``shadowed``, ``moves``,
+``bytes_moved``; the guard's verdicts so far (``changes_kept``, ``changes_undone``, ``verdicts_inconclusive``,
+``returned_to_start``, ``guard_stopped``, ``verdict_drift_s``, ``step_noise``); ``predicted_step_s`` and
+``predicted_static_step_s`` (the model's MoE time of a step under the placement the steps ran with, and static);
+``sync_wait_s`` / ``shadow_wait_s`` (seconds per step the backward's end waited for the overlapped gradient reduces);
+``move_wait_s`` (the slowest rank's seconds on this run's moves; ``move_wait_total_s`` summed) and
+``measured_step_s`` (wall time per optimizer step since the previous run).
 """
 from __future__ import annotations
 
@@ -86,10 +67,8 @@ from .state import PlacementState
 
 __all__ = ["EPLBPolicy", "FlexMoEPolicy", "ShadowPolicy", "gather_counts"]
 
-# change the placement (shadow an expert, keep a FlexMoE plan or an EPLB table) only when the model predicts it
-# saves at least this fraction of the layer step, transfers included: the calibrated model's error on a step is
-# about 10% (docs/cluster.md), so smaller predicted gains are within its error
-MIN_PREDICTED_GAIN = 0.05
+MIN_PREDICTED_GAIN = 0.05    # the least predicted saving, a fraction of the MoE layers' time, worth a change
+FLEXMOE_MAX_MOVES = 4         # Expand / Shrink / Migrate per layer and run
 IDLE_GAP_STEPS = 8            # the longest gap, in steps, between two runs of a policy that keeps changing nothing
 
 
@@ -141,21 +120,14 @@ class _Policy:
     def __init__(self, cfg: MoEConfig):
         self.cfg = cfg
         self.profile = None                  # "auto": measured at the first run (every rank at the same step)
-        from ..perfmodel.autoprofile import DriftWatch  # load order: perfmodel.cost imports placement.state, whose package imports this module
         from ..perfmodel.profiles import get_profile  # load order: perfmodel.cost imports placement.state, whose package imports this module
         if cfg.placement_profile != "auto":
             try:
                 self.profile = get_profile(cfg.placement_profile)
             except ValueError as e:
                 raise ConfigError(f"{flag('placement_profile')}={cfg.placement_profile!r}: {e}") from None
-        self.drift = DriftWatch() if cfg.placement_profile == "auto" else None
         self.calibrations = 0
-        self.metrics_extra: Dict[str, float] = {}      # step_noise, required_gain of the last run
-        self._min_gain = MIN_PREDICTED_GAIN             # what the planners must predict at this run
-        self.sync_exposure = 1.0                        # share of replica sync the steps wait for (measured)
-        self.shadow_exposure = 1.0                      # share of the shadows' broadcast + reduce waited for
-        # their evidence: [seconds waited, the model's seconds], summed over runs
-        self._exposure_evidence = {"sync_exposure": [0.0, 0.0], "shadow_exposure": [0.0, 0.0]}
+        self._min_gain = MIN_PREDICTED_GAIN        # what the planners must predict at this run (_required_gain)
         self._cost_models: Dict[tuple, object] = {}
         self._planners: Dict[tuple, object] = {}
         self.metrics: Dict[str, float] = {}
@@ -178,79 +150,24 @@ class _Policy:
             shape = LayerShape(bank.hidden_size, bank.ffn_hidden_size, num_experts,
                                bytes_per_element=bank.w1.element_size())
             self._cost_models[key] = self.profile.cost_model(shape, world_size=num_ranks)
-            self._cost_models[key].sync_exposure = self.sync_exposure
-            self._cost_models[key].shadow_exposure = self.shadow_exposure
         return key, self._cost_models[key]
-
-    def _learn_sync_exposure(self, layers, sync_wait: Optional[float]) -> None:
-        """``--moe-placement-overlap-sync``: the share of the replicas' gradient all-reduces the steps waited for,
-        measured: the seconds per step the backward passes' ends waited for them (the slowest rank's), over the
-        cost model's Eq. 9 time of the replicated experts the steps ran with, summed over every run that had
-        replicas. Every cost model prices replica sync at that share from then on (``CostModel.sync_exposure``);
-        1 (all of it) until measured, and always without overlap. Job-wide inputs: the same on every rank."""
-        if not self.cfg.placement_overlap_sync or sync_wait is None:
-            return
-        predicted = 0.0
-        for layer in layers:
-            rt = layer.plan.placement
-            m = rt.state.multiplicity().to(torch.float64)
-            m[list(rt.shadowed)] = 0.0
-            _, cm = self._cm(layer.experts_bank, rt.num_experts, rt.ep.size)
-            predicted += cm.replica_sync_time(m)
-        self._record_exposure("sync_exposure", sync_wait, predicted)
-
-    def _learn_shadow_exposure(self, layers, shadow_wait: Optional[float]) -> None:
-        """With the shadows' broadcasts prefetched (``--moe-placement-prefetch``) and their gradient reduces
-        overlapped (``--moe-placement-overlap-sync``), every wait on them is timed: the share of Eq. 8's
-        communication the steps waited for is the seconds per step waited (the slowest rank's) over the cost
-        model's broadcast + reduce time of the experts the steps shadowed, summed over every run that shadowed.
-        Every cost model prices shadowing's communication at that share from then on (``CostModel.
-        shadow_exposure``); 1 until measured, and always where a part of it runs synchronously."""
-        if not (self.cfg.placement_overlap_sync and self.cfg.placement_prefetch) or shadow_wait is None:
-            return
-        predicted = 0.0
-        for layer in layers:
-            rt = layer.plan.placement
-            if rt.shadowed:
-                _, cm = self._cm(layer.experts_bank, rt.num_experts, rt.ep.size)
-                predicted += cm.shadow_sync_time(rt.shadowed, rt.state.multiplicity().to(torch.float64))
-        self._record_exposure("shadow_exposure", shadow_wait, predicted)
-
-    def _record_exposure(self, name: str, waited: float, predicted: float) -> None:
-        """Add one run's evidence to exposure ``name`` (cumulative waited over cumulative modelled, at most 1) and
-        set it on every cost model; a run with nothing modelled is no evidence."""
-        if predicted <= 0:
-            return
-        evidence = self._exposure_evidence[name]
-        evidence[0] += waited
-        evidence[1] += predicted
-        value = min(1.0, evidence[0] / evidence[1])
-        setattr(self, name, value)
-        for cm in self._cost_models.values():
-            setattr(cm, name, value)
 
     def decide(self, key, cm, rt, counts):
         raise NotImplementedError
 
     def _required_gain(self, layers, all_counts, every: int, step_s: Optional[float],
                        noise: Optional[float]) -> float:
-        """The fraction of a layer's predicted time a change must save: MIN_PREDICTED_GAIN, or more where the
-        guard could not tell the saving from the steps' noise (guard.resolvable_gain, a fraction of the whole step,
-        turned into one of the MoE layers' predicted time through ``step_s``: the job's median step of the last
-        window, which an evaluation or the policy's own run does not move), divided by the share of its predicted
-        savings the model has delivered on this run (``guard.realisation``). ``noise``: the job's
-        ``guard.step_noise``, so every rank plans with the same threshold."""
-        step_gain = self.guard.resolvable_gain(every, noise)
+        """The fraction of the MoE layers' predicted time a change must save: MIN_PREDICTED_GAIN, or more where the
+        guard could not tell the saving from the steps' noise (``guard.resolvable_gain``, a fraction of the whole
+        step, turned into one of the layers' predicted time through ``step_s``, the job's median step of the last
+        window). ``noise``: the job's ``step_noise``, so every rank plans with the same threshold."""
         moe_s = 0.0
         for layer, counts in zip(layers, all_counts):
-            rt, bank = layer.plan.placement, layer.experts_bank
-            _, cm = self._cm(bank, rt.num_experts, rt.ep.size)
+            rt = layer.plan.placement
+            _, cm = self._cm(layer.experts_bank, rt.num_experts, rt.ep.size)
             moe_s += cm.layer_time(counts, rt.state.placement()).total
-        need = step_gain * step_s / moe_s if (step_s and moe_s > 0) else 0.0
-        realisation = self.guard.realisation()
-        self.metrics_extra = {"step_noise": noise or 0.0, "realisation": realisation,
-                              "required_gain": min(max(MIN_PREDICTED_GAIN, need) / realisation, 0.95)}
-        return self.metrics_extra["required_gain"]
+        need = self.guard.resolvable_gain(every, noise) * step_s / moe_s if (step_s and moe_s > 0) else 0.0
+        return min(max(MIN_PREDICTED_GAIN, need), 0.95)
 
     def _back_off(self, acted: bool, layers, every: int) -> None:
         """A run that changed nothing at the original placement (nothing replicated or shadowed, no change pending)
@@ -278,20 +195,13 @@ class _Policy:
                 else cm.layer_time(counts, state.placement()).total
         return total
 
-    def _predicted_saving(self, layers, plan_counts, before_s: float) -> float:
-        """The cost model's saving per step of the change this run made: the layers' predicted time with the
-        counts the planners planned from under the placement they ran with (``before_s``), less the same under
-        the new one (slot table and shadow set)."""
-        return before_s - self._placement_time(layers, plan_counts, [(m.plan.placement.state,
-                                                                      m.plan.placement.shadowed) for m in layers])
-
     def observe_step(self, seconds: float) -> None:
         """One training step's duration, from the after-step hook (the pay-off guard's measurements)."""
         self.guard.observe(seconds)
 
     def _ensure_profile(self, layers) -> None:
         """--moe-placement-profile auto: calibrate this job at the expert shape of its first MoE layer (collective:
-        every rank runs the policies at the same step), or again after a drift."""
+        every rank runs the policies at the same step)."""
         if self.profile is not None:
             return
         bank = next((m.experts_bank for m in layers if getattr(m.plan, "placement", None) is not None), None)
@@ -300,7 +210,6 @@ class _Policy:
         rank0 = not dist.is_initialized() or dist.get_rank() == 0
         from ..perfmodel.autoprofile import auto_profile  # load order: perfmodel.cost imports placement.state, whose package imports this module
         self.profile = auto_profile(bank.hidden_size, bank.ffn_hidden_size, bank.w1.dtype,
-                                    refresh=self.calibrations > 0,
                                     log=(lambda t: print(f"megamoe-plugin: {t}", flush=True)) if rank0 else None)
         self._cost_models.clear()
         self._planners.clear()
@@ -353,7 +262,7 @@ class _Policy:
         measured = None
         if self._clock is not None and self._last_iteration is not None and ctx.iteration > self._last_iteration:
             measured = (now - self._clock) / (ctx.iteration - self._last_iteration)
-        # the slowest rank's: every decision taken from it (re-calibrating on drift) must be the same on every rank
+        # the slowest rank's: every decision taken from it must be the same on every rank
         guarded = self.guard.enabled
         sync_wait = sum(m.plan.placement.take_sync_wait() for m in layers) / steps
         shadow_wait = sum(m.plan.placement.take_shadow_wait() for m in layers) / steps
@@ -370,11 +279,9 @@ class _Policy:
         if not gathered:
             gather()                                                                            # one collective
         all_counts, plan_counts = gathered[0]
-        self._learn_sync_exposure(layers, sync_wait)
-        self._learn_shadow_exposure(layers, shadow_wait)
-        self.total_move_wait += move_wait or 0.0
         self._min_gain = self._required_gain(layers, all_counts, every, baseline, noise)
-        static_pred = plan_before = 0.0
+        self.total_move_wait += move_wait or 0.0
+        static_pred = 0.0
         for i, (layer, counts, plan) in enumerate(zip(layers, all_counts, plan_counts)):
             rt = layer.plan.placement
             bank = layer.experts_bank
@@ -382,8 +289,6 @@ class _Policy:
             key, cm = self._cm(bank, rt.num_experts, rt.ep.size)
             before_loads = rt.state.rank_loads(counts, rt.shadowed)
             predicted = self._placement_time([layer], [counts], [(rt.state, rt.shadowed)])
-            plan_before += predicted if plan is counts else \
-                self._placement_time([layer], [plan], [(rt.state, rt.shadowed)])
             static_pred += cm.layer_time(counts, _static_placement(rt)).total
             if undo is not None:                     # the last change did not pay: put back what was there
                 moves, shadow = undo[i][1], list(undo[i][2])
@@ -397,38 +302,27 @@ class _Policy:
         if layers:
             _agree(layers[0].plan.placement, decisions)               # one check for every layer's plan
         sent = apply_placement(changes, ctx.optimizer)
-        for m in layers:
-            m.plan.placement.drop_prefetch()          # the last prefetch's broadcasts, complete on every rank
         for rt, _, _, _, _, _, shadow in rows:
             if shadow is not None:
                 rt.set_shadowed(shadow)
-        if any(m.plan.placement.shadowed for m in layers) and (self.cfg.placement_prefetch
-                                                                 or self.cfg.placement_overlap_sync):
+        if self.cfg.placement_overlap_sync and any(m.plan.placement.shadowed for m in layers):
             group_cache().ensure([g for m in layers for g in m.plan.placement.needed_groups()])
-            if self.cfg.placement_prefetch:
-                for m in layers:
-                    m.plan.placement.prefetch_shadows(m.experts_bank)
         changed = any(moves or (shadow is not None and set(shadow) != set(old[1]))
                       for (_, _, _, _, _, moves, shadow), old in zip(rows, before))
         self._back_off(changed or undo is not None, layers, every)
         if changed and undo is None:
             self.guard.record(baseline, time.perf_counter() - now, every, [m.plan.placement for m in layers],
                               [b[0] for b in before], [b[1] for b in before],
-                              predicted_s=self._predicted_saving(layers, plan_counts, plan_before),
                               before_model_s=sum(row[4] for row in rows))
         self._report(rows, sent, measured)
         if rows:
             self.metrics["predicted_static_step_s"] = static_pred
-            self.metrics.update(self.metrics_extra)
+            self.metrics["step_noise"] = noise or 0.0
+            self.metrics["required_gain"] = self._min_gain
             self.metrics["shadow_wait_s"] = shadow_wait
-            self.metrics["shadow_exposure"] = self.shadow_exposure
             self.metrics["sync_wait_s"] = sync_wait
-            self.metrics["sync_exposure"] = self.sync_exposure
             self.metrics["move_wait_s"] = move_wait
             self.metrics["move_wait_total_s"] = self.total_move_wait
-        if self.drift is not None and self.drift.observe(measured, self.metrics.get("predicted_step_s", 0.0)):
-            self.profile = None               # the model no longer matches this cluster: measure it again
-            self.drift.reset()
         self._clock, self._last_iteration = time.perf_counter(), ctx.iteration
         self.runs += 1
 
@@ -493,9 +387,10 @@ class FlexMoEPolicy(_ReplicaPolicy):
     def decide(self, key, cm, rt, counts):
         if key not in self._planners:
             self._planners[key] = FlexMoEPlanner(cm, threshold=self.cfg.placement_threshold,
-                                                 max_moves=self.cfg.placement_max_moves,
+                                                 max_moves=FLEXMOE_MAX_MOVES,
                                                  horizon=float(self.cfg.placement_every),
                                                  min_gain=MIN_PREDICTED_GAIN)
+        self._planners[key].min_gain = self._min_gain
         self._planners[key].min_gain = self._min_gain
         return self._planners[key].plan(rt.state, counts), None
 
@@ -521,6 +416,6 @@ class EPLBPolicy(_ReplicaPolicy):
     def decide(self, key, cm, rt, counts):
         if key not in self._planners:
             self._planners[key] = EPLBPlanner(cm, horizon=float(self.cfg.placement_every),
-                                              min_gain=MIN_PREDICTED_GAIN, equal_within=MIN_PREDICTED_GAIN)
+                                              min_gain=MIN_PREDICTED_GAIN)
         self._planners[key].min_gain = self._min_gain
         return self._planners[key].plan(rt.state, counts), None

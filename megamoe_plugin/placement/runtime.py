@@ -233,16 +233,13 @@ class _ShadowCopies(torch.autograd.Function):
     owners' gradients at the end of the backward pass (as ``_ReplicaGradSync`` does for replicas)."""
 
     @staticmethod
-    def forward(ctx, spec, prefetched, *weights):
+    def forward(ctx, spec, *weights):
         entries, group, me, overlap = spec           # entries: (owner ep rank, owner global rank, owner slot)
         ctx.spec, ctx.meta = spec, [(w.shape, w.dtype, w.device) for w in weights]
         outs = [w.new_empty((len(entries),) + tuple(w.shape[1:])) for w in weights]
         for j, (owner, owner_global, slot) in enumerate(entries):
-            if prefetched is not None:                # broadcast started between steps (``prefetch_shadows``)
-                flat = prefetched.wait(j)
-            else:
-                flat = _owner_row(weights, slot, me, owner)
-                dist.broadcast(flat, src=owner_global, group=group)
+            flat = _owner_row(weights, slot, me, owner)
+            dist.broadcast(flat, src=owner_global, group=group)
             _write_row(flat, outs, j)
         return tuple(outs)
 
@@ -260,51 +257,14 @@ class _ShadowCopies(torch.autograd.Function):
                                 dist.reduce(flat, dst=owner_global, group=reduce_group, async_op=True)))
             torch.autograd.Variable._execution_engine.queue_callback(
                 lambda: _add_shadow_gradients(params, pending, runtime))
-            return (None, None, *[None] * len(grads))
+            return (None, *[None] * len(grads))
         out = [torch.zeros(s, dtype=d, device=dev) for s, d, dev in ctx.meta]
         for j, (owner, owner_global, slot) in enumerate(entries):
             flat = _row(grads, j)
             dist.reduce(flat, dst=owner_global, group=group)
             if me == owner:
                 _write_row(flat, out, slot, add=True)
-        return (None, None, *out)
-
-
-class ShadowPrefetch:
-    """The shadowed experts' rows, broadcast asynchronously between optimizer steps on a process group of their own
-    (so the layers' all-to-alls do not queue behind them), for every forward until the weights change. ``wait(j)``
-    blocks on entry j's broadcast (the time it blocks is the part not hidden); it is valid while the weights'
-    version counters are those it was started from (an optimizer step, a move or a load changes them)."""
-
-    def __init__(self, entries, weights, group, me: int):
-        self.entries = tuple(entries)
-        self.versions = [w._version for w in weights]
-        self.flats, self.works = [], []
-        numel = sum(w[0].numel() for w in weights)
-        with torch.no_grad():
-            for owner, owner_global, slot in self.entries:
-                flat = _owner_row(weights, slot, me, owner)
-                self.works.append(dist.broadcast(flat, src=owner_global, group=group, async_op=True))
-                self.flats.append(flat)
-        self.bytes = numel * weights[0].element_size() * len(self.entries)
-        self.wait_s = 0.0
-
-    def valid_for(self, entries, weights) -> bool:
-        return tuple(entries) == self.entries and [w._version for w in weights] == self.versions
-
-    def wait(self, j: int) -> torch.Tensor:
-        work = self.works[j]
-        if work is not None:
-            t0 = time.perf_counter()
-            work.wait()
-            self.wait_s += time.perf_counter() - t0
-            self.works[j] = None
-        return self.flats[j]
-
-    def finish(self) -> None:
-        """Complete every broadcast (before the prefetch is dropped: every rank must take part in each)."""
-        for j in range(len(self.works)):
-            self.wait(j)
+        return (None, *out)
 
 
 # --- the runtime -----------------------------------------------------------------------------------------------------
@@ -329,7 +289,6 @@ class PlacementRuntime:
         self.moves_done = 0
         self.bytes_moved = 0
         self.eval_forwards = 0                               # forwards without gradient (evaluation) so far
-        self._prefetch: Optional[ShadowPrefetch] = None
         self._rebuild()
 
     # --- derived tables ----------------------------------------------------------------------------------------
@@ -363,10 +322,18 @@ class PlacementRuntime:
             if me in ranks:
                 self._sync_plan_keys.append((self.state.slots_of(me).index(e),
                                              tuple(self.ep.global_ranks[r] for r in ranks), len(ranks) == P))
+        # a shadowed expert that also has replicas: its copies' gradient must reach its owner's row before the
+        # replicas' all-reduce starts, so those reduces run inside the layer's backward even with overlap_sync
+        self._shadow_in_layer = any(self.state.num_replicas(e) > 1 for e in shadow)
         self._shadow_entries = []
         for e in shadow:
             owner = self.state.replicas(e)[0]
             self._shadow_entries.append((owner, self.ep.global_ranks[owner], self.state.slots_of(owner).index(e)))
+
+    @property
+    def shadow_reduce_overlapped(self) -> bool:
+        """Whether the shadow copies' gradient reduces run behind the layers below (``overlap_sync``)."""
+        return self.overlap_sync and bool(self._shadow_entries) and not self._shadow_in_layer
 
     def _tables(self, device) -> tuple:
         key = str(device)
@@ -376,7 +343,7 @@ class PlacementRuntime:
 
     def needed_groups(self) -> List[Tuple[int, ...]]:
         """Global-rank tuples of the replica all-reduce groups this rank takes part in (not the whole EP group),
-        and the expert-parallel group's own copy when experts are shadowed (the prefetch's broadcasts)."""
+        and the expert-parallel group's own copy when experts are shadowed (their overlapped gradient reduces)."""
         groups = [ranks for _, ranks, whole in self._sync_plan_keys if not whole]
         if self._shadow_entries and self.ep.size > 1:
             groups.append(tuple(self.ep.global_ranks))
@@ -446,16 +413,11 @@ class PlacementRuntime:
                     for slot, ranks, whole in self._sync_plan_keys]
             present = list(_ReplicaGradSync.apply(plan, self, *present))
         if self._shadow_entries:
-            pre = self._prefetch
-            if pre is not None and not pre.valid_for(self._shadow_entries, present):
-                pre.finish()
-                pre = self._prefetch = None
             overlap = None
-            group = self._shadow_group() if self.overlap_sync and torch.is_grad_enabled() else None
+            group = self._shadow_group() if self.shadow_reduce_overlapped and torch.is_grad_enabled() else None
             if group is not None:
                 overlap = (self, group, params)
-            copies = _ShadowCopies.apply((self._shadow_entries, self.ep.group, self.ep.rank, overlap), pre,
-                                         *present)
+            copies = _ShadowCopies.apply((self._shadow_entries, self.ep.group, self.ep.rank, overlap), *present)
             present = [torch.cat([w, c], 0) for w, c in zip(present, copies)]
         it = iter(present)
         return [None if w is None else next(it) for w in raw]
@@ -472,28 +434,6 @@ class PlacementRuntime:
             return None
 
     # --- between steps -----------------------------------------------------------------------------------------
-    def prefetch_shadows(self, bank) -> int:
-        """Start the broadcasts of the shadowed experts' rows for the next forwards, between steps (the weights are
-        final until the next optimizer step), so they overlap what runs before this layer's forward: the next
-        batch, the layers below. Collective over the expert-parallel group (every rank calls it, in the same layer
-        order). Returns the bytes of one rank's copies."""
-        self.drop_prefetch()
-        if not self._shadow_entries:
-            return 0
-        weights = [w for w in (bank.w1, bank.w2, bank.b1, bank.b2) if w is not None]
-        group = self.cache.get(tuple(self.ep.global_ranks)) if self.ep.size > 1 else None
-        self._prefetch = ShadowPrefetch(self._shadow_entries, weights, group, self.ep.rank)
-        return self._prefetch.bytes
-
-    def drop_prefetch(self) -> float:
-        """Forget the prefetched copies (their broadcasts completed first); returns the seconds forwards waited on
-        them (the part of the broadcasts not hidden)."""
-        pre, self._prefetch = self._prefetch, None
-        if pre is None:
-            return 0.0
-        pre.finish()
-        return pre.wait_s
-
     def set_shadowed(self, experts: Sequence[int]) -> None:
         """Experts to shadow from the next forward on (FasterMoE Alg. 1's choice); [] for none."""
         experts = [int(e) for e in experts]
@@ -547,11 +487,9 @@ class PlacementRuntime:
         return w
 
     def take_shadow_wait(self) -> float:
-        """Seconds this rank waited for the shadows' collectives since the last call: the forwards on the
-        prefetched broadcasts, and the ends of the backward passes on the overlapped gradient reduces."""
+        """Seconds the ends of this rank's backward passes waited for the shadows' overlapped gradient reduces
+        since the last call."""
         w, self.shadow_reduce_wait_s = self.shadow_reduce_wait_s, 0.0
-        if self._prefetch is not None:
-            w, self._prefetch.wait_s = w + self._prefetch.wait_s, 0.0
         return w
 
     @torch.no_grad()

@@ -26,8 +26,8 @@ scheduling policies in the simulator) are ``flexmoe_time``'s. The other four res
 * ``fig7a_efficiency`` (Fig. 7(a)): token efficiency and expert efficiency over training of DeepSpeed-style static
   expert parallelism with capacity 1.0, dropless static expert parallelism, FasterMoE shadowing and FlexMoE, on the
   routing of a real training run (the shipped ``megatron_gpt`` trace; the table says which) replayed through the
-  placement simulator (``placement.simulate``) with the ``flexmoe-a100`` cost model driving the planners'
-  decisions. Definitions (paper 001 §5.4, as ``placement.simulate`` computes them): token efficiency = "the fraction
+  placement simulator (``perfmodel.placement_replay``) with the ``flexmoe-a100`` cost model driving the planners'
+  decisions. Definitions (paper 001 §5.4, as ``perfmodel.placement_replay`` computes them): token efficiency = "the fraction
   of input tokens that are processed by the expert network" = processed / routed assignments (1 for every dropless
   strategy); expert efficiency = "the meaningful computation of GPUs" = processed assignments / (GPUs x the largest
   number of token slots one GPU computes in the synchronous step, padding included) (= 1 / balance ratio when
@@ -482,7 +482,7 @@ def efficiency_over_training(out_dir: str, fast: bool, log=print, fallback_trace
            "window's first step is planned from the previous window's last)" if n < S else "") + f"; rows remapped to {W} GPUs (GPU w replays source rank w % {P}), counts "
         f"scaled x{factor:.3g} so each GPU routes {tokens_per_gpu} tokens x top-{raw.get('top_k') or 2} per step "
         "(the trace's routing shares at a paper-scale batch).",
-        f"{src}: placement simulator (`placement.simulate`) on {W} GPUs of the {PROFILE} profile, {E} experts (one "
+        f"{src}: placement simulator (`perfmodel.placement_replay`) on {W} GPUs of the {PROFILE} profile, {E} experts (one "
         f"per GPU as in the paper's runs), expert widths H 768 / FFN 3072 (GPT-MoE-S, Table 1). The efficiencies "
         "are counted on the trace's routing under each strategy's placement; the cost model only drives the "
         "planners' decisions (shadowing: FasterMoE Alg. 1 on the step's own counts; FlexMoE: Alg. 1-3 with "
@@ -542,7 +542,7 @@ def scaling(out_dir: str, fast: bool, log=print, worlds: Sequence[int] = (8, 16,
     from ..perfmodel.cost import LayerShape
     from ..perfmodel.profiles import get_profile
     from ..perfmodel.simulate import simulate_trace, summarize
-    from ..placement.simulate import synthetic_trace
+    from ..perfmodel.placement_replay import synthetic_trace
 
     t0 = time.perf_counter()
     prof = get_profile(PROFILE)
@@ -580,7 +580,7 @@ def scaling(out_dir: str, fast: bool, log=print, worlds: Sequence[int] = (8, 16,
         f"{src}: placement simulator, one MoE layer of {experts} experts (paper §5.5), H 1024 / FFN 4096 (BERT-MoE-L "
         f"widths, Table 1), {tokens_per_gpu} tokens x top-2 per GPU per step (weak scaling), mean over steps 1-"
         f"{steps - 1} of {steps} (step 0, before any planner acted, left out). Strategies as in fig7a.",
-        f"routing: synthetic (`placement.simulate.synthetic_trace`, Zipf skew {syn['skew']}, drift "
+        f"routing: synthetic (`perfmodel.placement_replay.synthetic_trace`, Zipf skew {syn['skew']}, drift "
         f"{syn['drift']}/step, per-GPU noise {syn['noise']}, seed {syn['seed']}): no shipped trace has 64 experts.",
         "normalised to the DeepSpeed-style row at 8 GPUs, as the paper's Fig. 7(b) is to DeepSpeed-8GPUs. input "
         "throughput counts every routed token; processed throughput counts the tokens the experts computed "

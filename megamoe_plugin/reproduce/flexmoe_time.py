@@ -149,7 +149,7 @@ def trigger_policies(fast: bool, flex_options: dict, world: int = 16, experts: i
     from ..perfmodel.profiles import get_profile
     from ..perfmodel.simulate import simulate_trace, summarize
     from ..placement.flexmoe import FlexMoEPlanner, StaticPlanner
-    from ..placement.simulate import synthetic_trace
+    from ..perfmodel.placement_replay import synthetic_trace
 
     prof = get_profile("flexmoe-a100")
     shape = LayerShape(1024, 4096, experts, bytes_per_element=prof.bytes_per_element)

@@ -104,13 +104,13 @@ def _flexmoe(data: Data, t: PaperTables) -> List[list]:
     big = data.json("planners-2048")["cells"][0]["rows"]
     over = over_static(big)
     runs = {r["run"]: r for r in big}
-    vs_shadow = [s / f for s, f in zip(runs["shadow_overlap"]["time_to_target_rounds"],
-                                        runs["flexmoe_hidden_spare2"]["time_to_target_rounds"])]
+    vs_shadow = [s / f for s, f in zip(runs["shadow"]["time_to_target_rounds"],
+                                        runs["flexmoe"]["time_to_target_rounds"])]
     measured_ok = min(deepspeed) > 1
     return [
         ["FlexMoE over DeepSpeed (001 abstract, Fig. 5)", "1.70x avg, up to 2.10x",
          f"time to target at 512 tokens per rank: {ratio(deepspeed[0])} (skewed), {ratio(deepspeed[1])} (balanced) "
-         f"over capacity EP; at 2,048 tokens per rank over static dropless: {span(over['flexmoe_hidden_spare2'])} "
+         f"over capacity EP; at 2,048 tokens per rank over static dropless: {span(over['flexmoe'])} "
          f"(rounds); predicted at 8-64 GPUs: {span(predicted_ds)}", f"{CLUSTER}; predicted (flexmoe-a100 cost model)",
          _yes(measured_ok, "yes", "no")],
         ["FlexMoE over FasterMoE (shadowing) (001 abstract, Fig. 5)", "1.30x avg, up to 1.45x",

@@ -97,7 +97,7 @@ def _cell_label(setup: dict) -> str:
 def planners(data: Data) -> Section:
     big, small = data.json("planners-2048"), data.json("planners-512")
     over_big, over_small = over_static(big["cells"][0]["rows"]), over_static(small["cells"][0]["rows"])
-    flex = [v for v in over_big["flexmoe_hidden_spare2"] if v]
+    flex = [v for v in over_big["flexmoe"] if v]
     floor = [v for run, vals in over_small.items() if run != "static" for v in vals if v]
     body = "\n\n".join([
         f"**{_cell_label(big['setup'])}**, skewed routing, no balance loss. " + data.provenance("planners-2048"),
