@@ -104,7 +104,7 @@ def _planners(rank, world, gate, cache, out, cgroups=None, share=None):
         acted[policy] = {"moves": hook.policy.total_moves, "shadowed": shadowed,
                          "calibrations": hook.policy.calibrations,
                          "metrics": {k: round(float(v), 4) for k, v in hook.policy.metrics.items()
-                                     if k in ("step_noise", "required_gain", "realisation", "predicted_gain",
+                                     if k in ("step_noise", "required_gain", "predicted_gain",
                                               "predicted_step_s", "predicted_static_step_s")},
                          "steps": [round(x, 3) for x in hook.policy.guard.steps]}   # for a failure's message
     if rank == 0:

@@ -179,6 +179,7 @@ def _moved_checkpoint(rank, world):
     # clipping: expert 0 has two replicas holding its full gradient; it counts once in the global norm
     G = {n: torch.randn((4,) + tuple(p.shape[1:]), generator=torch.Generator().manual_seed(7)) for n, p in
          bank.named_parameters()}
+    ffn.zero_grad(set_to_none=True)                 # the router's bias keeps a gradient of the forwards above
     for n, p in bank.named_parameters():
         p.grad = local_from_logical(G[n], rt)
     shared = ffn.moe.gate.weight
