@@ -103,7 +103,7 @@ def planners(data: Data) -> Section:
         f"**{_cell_label(big['setup'])}**, skewed routing, no balance loss. " + data.provenance("planners-2048"),
         _planner_table(big["cells"][0]), data.command("planners-2048"),
         f"**{_cell_label(small['setup'])}**, where the model predicts little to gain. "
-        + data.provenance("planners-512") + ".",
+        + data.provenance("planners-512").rstrip(".") + ".",
         _planner_table(small["cells"][0]), data.command("planners-512"),
         "![time to target over static per round](docs/figures/benchmarks/planners_over_static.png)"])
     heads = [Headline("planners: FlexMoE over static dropless, time to target (2,048 tokens per rank)",
