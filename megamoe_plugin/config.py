@@ -478,11 +478,17 @@ RETIRED_OPTIONS = ("capacity_headroom", "capacity_spread", "capacity_window", "c
 
 def upgrade_options(d: dict) -> dict:
     """A saved option dict in this release's names: renamed options mapped (either bias of an earlier release
-    turns ``linear_bias`` on), retired ones dropped."""
+    turns ``linear_bias`` on; the smart groups and the capacity quantile become their spellings in
+    ``schedule`` and ``capacity_policy``), retired ones dropped."""
     out = {k: v for k, v in d.items() if k not in RETIRED_OPTIONS and k not in RENAMED_OPTIONS}
     for old, new in RENAMED_OPTIONS.items():
         if old in d:
             out[new] = bool(out.get(new)) or bool(d[old])
+    groups = int(d.get("smart_groups") or 0)
+    if out.get("schedule") == "smart" and groups:
+        out["schedule"] = "smart:node" if groups < 0 else f"smart:{groups}"
+    if out.get("capacity_policy") == "dynamic" and float(d.get("capacity_quantile") or 0.0) > 0:
+        out["capacity_policy"] = "quantile"
     return out
 
 

@@ -80,3 +80,22 @@ def test_register_gate_decorator_extends_the_registry():
     assert layer.last_routing.counts.tolist() == [0, 0, 0, 5]
     with pytest.raises(ValueError, match="already registered"):
         register_gate("naive")(LastExpertGate)
+
+
+def test_an_option_dict_of_an_earlier_release_loads_in_this_releases_spelling():
+    """A checkpoint's option dict from before the options were folded: renamed and folded options are mapped,
+    retired constants dropped, anything else still refused."""
+    now = MoEConfig().to_dict()
+    now.pop("linear_bias")
+    old = dict(now, expert_bias=True, router_bias=False, schedule="smart", smart_groups=-1, placement_prefetch=False,
+               capacity_spread=0.0, init_std=0.01)
+    cfg = MoEConfig.from_dict(old)
+    assert cfg.linear_bias and cfg.schedule == "smart:node"
+    assert MoEConfig.from_dict(dict(old, smart_groups=1)).schedule == "smart:1"
+    assert MoEConfig.from_dict(dict(old, smart_groups=0)).schedule == "smart"
+    dyn = MoEConfig.from_dict(dict(now, dispatch="capacity", capacity_policy="dynamic", capacity_quantile=0.9))
+    assert dyn.capacity_policy == "quantile"
+    assert MoEConfig.from_dict(dict(now, dispatch="capacity", capacity_policy="dynamic",
+                                    capacity_quantile=0.0)).capacity_policy == "dynamic"
+    with pytest.raises(ConfigError, match="unknown MoE option"):
+        MoEConfig.from_dict(dict(old, no_such_option=1))

@@ -209,7 +209,7 @@ class PayoffGuard:
 
     def _drift_credit(self, modelled: float, step_s: float) -> float:
         """The routing's drift as a verdict counts it: the cost model's difference of the old placement between two
-        windows' counts, at most ``max_drift`` of the step (an uncapped credit kept changes that lost at 512 tokens)."""
+        windows' counts, at most ``max_drift`` of the step (where the model misprices a skew, it cannot excuse more)."""
         return min(modelled, self.settings.max_drift * step_s)
 
     def _behind(self, interval: int, drift=None) -> bool:
