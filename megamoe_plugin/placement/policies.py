@@ -161,11 +161,7 @@ class _Policy:
         guard could not tell the saving from the steps' noise (``guard.resolvable_gain``, a fraction of the whole
         step, turned into one of the layers' predicted time through ``step_s``, the job's median step of the last
         window). ``noise``: the job's ``step_noise``, so every rank plans with the same threshold."""
-        moe_s = 0.0
-        for layer, counts in zip(layers, all_counts):
-            rt = layer.plan.placement
-            _, cm = self._cm(layer.experts_bank, rt.num_experts, rt.ep.size)
-            moe_s += cm.layer_time(counts, rt.state.placement()).total
+        moe_s = self._placement_time(layers, all_counts, [(m.plan.placement.state, ()) for m in layers])
         need = self.guard.resolvable_gain(every, noise) * step_s / moe_s if (step_s and moe_s > 0) else 0.0
         return min(max(MIN_PREDICTED_GAIN, need), 0.95)
 
