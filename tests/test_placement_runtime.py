@@ -279,6 +279,39 @@ def test_policy_in_the_hook_moves_and_keeps_the_math(policy, tmp_path):
     run_distributed(_policy_run, 2, policy, _slow_compute_profile(str(tmp_path / "slow.json")))
 
 
+def _free_rows_run(rank, world):
+    torch.manual_seed(0)
+    cfg = _cfg(world, placement="flexmoe", placement_spare_slots=1, placement_interval=10**9)   # never decides
+    ref, layer = MoELayer(cfg, H, F, ep_group=dist.group.WORLD), MoELayer(cfg, H, F, ep_group=dist.group.WORLD)
+    spare = layer.experts.w1.shape[0] - 1                           # the free slot: the last row of every bank
+    with torch.no_grad():                   # free slots start as zeros, which decay leaves alone: give them values
+        for p in ref.experts.parameters():
+            p[spare].normal_()
+    layer.load_state_dict(ref.state_dict())
+    opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)     # steps every row
+    opt = torch.optim.AdamW(layer.parameters(), lr=1e-2, weight_decay=0.1)
+    hook = AfterStepHook(cfg)
+    for step in range(4):
+        x, target = _data(rank, step)
+        l_ref, l_new = _train_step(ref, opt_ref, x, target), _train_step(layer, opt, x, target)
+        assert torch.equal(l_ref, l_new), (step, l_ref.item(), l_new.item())
+        assert not hook.run(layer, opt, step + 1)                    # the policy never runs
+        if step == 0:                        # the first step creates the optimizer's state: it steps every row
+            before = {n: p.detach()[spare].clone() for n, p in layer.experts.named_parameters()}
+    assert hook.free_rows is not None and hook.free_rows.narrowed_steps == 3   # the first step makes the state
+    for (n, p), q in zip(layer.experts.named_parameters(), ref.experts.parameters()):
+        assert torch.equal(p.detach()[:spare], q.detach()[:spare]), n            # occupied rows: the same update
+        assert torch.equal(p.detach()[spare], before[n]), n              # free row: not stepped after the first
+        assert not torch.equal(q.detach()[spare], before[n]), n          # (the plain AdamW decays it)
+        assert p.grad.shape == p.shape and all(t.shape == p.shape for t in param_state_tensors(opt, p)), n
+
+
+def test_free_slots_cost_no_optimizer_work():
+    """FlexMoE's spare slot, never filled: the optimizer steps only the occupied rows (placement/free_rows.py),
+    and the training is exactly the one a plain AdamW over every row gives."""
+    run_distributed(_free_rows_run, 2)
+
+
 # --- the LRU cache of replica groups ----------------------------------------------------------------------------------
 def _group_cache(rank, world):
     cache = GroupCache(capacity=1)

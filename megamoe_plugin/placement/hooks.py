@@ -23,6 +23,7 @@ import torch.nn as nn
 
 from ..config import ConfigError, MoEConfig, flag
 from ..layer import find_moe_layers
+from .free_rows import FreeRows
 
 _POLICIES: Dict[str, Callable[[MoEConfig], Callable]] = {}
 
@@ -83,6 +84,8 @@ class AfterStepHook:
         self._layers = None             # (model, its MoE layers): found once
         self._eval_forwards = 0         # the layers' forwards without gradient, at the previous call
         self._observed: Optional[float] = None    # the last step duration given to the policy
+        self.free_rows: Optional[FreeRows] = None     # the optimizer skips the banks' free slots (free_rows.py)
+        self._free_rows_for = None                    # the optimizer those hooks are on
 
     def add(self, fn: Callable[[StepContext], None]) -> None:
         self.callbacks.append(fn)
@@ -117,6 +120,10 @@ class AfterStepHook:
             self._eval_forwards = evals
         self._started = start
         self._steps += 1
+        if self.policy is not None and optimizer is not self._free_rows_for:
+            if self.free_rows is not None:
+                self.free_rows.detach()
+            self.free_rows, self._free_rows_for = FreeRows.attach(optimizer, moe_layers), optimizer
         if self.policy is not None:                   # the planners' window of the last steps' routing
             keep = self.cfg.placement_plan_window
             for m in moe_layers:

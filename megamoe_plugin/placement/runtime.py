@@ -556,6 +556,11 @@ class PlacementRuntime:
         banks (what an all-gather of the bank gives)."""
         return self.state.logical_rows()
 
+    def occupied_rows(self) -> int:
+        """1 + this rank's highest slot that holds an expert: the bank rows past it are free (free_rows.py)."""
+        slots = self.state.slots_of(self.ep.rank)
+        return max((i + 1 for i, e in enumerate(slots) if e is not None), default=0)
+
     def slot_weights(self) -> torch.Tensor:
         """[slots] 1 / (replicas of the slot's expert), 0 for a free slot: weights that count every logical expert
         once in sums over all ranks' slots (e.g. the squared gradient norm for clipping)."""
@@ -565,8 +570,9 @@ class PlacementRuntime:
     def grad_sq_norm(self, grad: torch.Tensor, dtype=torch.float64) -> torch.Tensor:
         """Squared L2 norm of one [slots, ...] bank gradient with every logical expert counted once over the
         expert-parallel group (rows weighted by ``slot_weights``); on the gradient's device, no host sync."""
-        rows = torch.linalg.vector_norm(grad.reshape(grad.shape[0], -1), dim=1, dtype=dtype).pow(2)
-        return (rows * self.slot_weights().to(device=rows.device, dtype=dtype)).sum()
+        n = self.occupied_rows()                 # the free slots past it weigh 0: their rows are not read
+        rows = torch.linalg.vector_norm(grad[:n].reshape(n, -1), dim=1, dtype=dtype).pow(2)
+        return (rows * self.slot_weights()[:n].to(device=rows.device, dtype=dtype)).sum()
 
     def expert_grad_sq_norm(self, bank) -> torch.Tensor:
         """This rank's share of the squared L2 norm of the bank's gradients (``grad_sq_norm`` summed over its
