@@ -67,10 +67,14 @@ def test_replica_runs_take_a_spare_slot_count_policy_runs_an_interval_and_others
         "--moe-placement", "flexmoe", "--moe-placement-overlap-sync",
         "--moe-placement-spare-slots", "2", "--moe-placement-interval", "5"]
     assert planners.run_flags("shadow_every3", 1.25) == ["--moe-placement", "shadow", "--moe-placement-interval", "3"]
+    assert planners.run_flags("shadow_guard0", 1.25) == ["--moe-placement", "shadow", "--moe-placement-guard", "0.0"]
+    assert planners.run_flags("eplb_guard5", 1.25) == ["--moe-placement", "eplb", "--moe-placement-guard", "0.05"]
     for bad in ("static_spare2", "shadow_spare1", "flexmoe_spare0", "flexmoe_spare", "nothing", "static_every5",
-                "idle_every5", "flexmoe_every0", "flexmoe_every5_spare2", "flexmoe_plan3", "shadow_sync"):
+                "idle_every5", "flexmoe_every0", "flexmoe_every5_spare2", "flexmoe_plan3", "shadow_sync",
+                "static_guard0", "idle_guard0", "shadow_guard0_every5"):
         assert planners.split_run(bad) is None, bad
-    assert sorted(["eplb", "flexmoe_spare2", "static", "flexmoe_spare2_every5", "flexmoe"],
-                  key=planners.run_order) == ["static", "flexmoe", "flexmoe_spare2", "flexmoe_spare2_every5", "eplb"]
+    assert sorted(["eplb", "flexmoe_spare2", "static", "flexmoe_spare2_every5", "flexmoe", "eplb_guard0"],
+                  key=planners.run_order) == ["static", "flexmoe", "flexmoe_spare2", "flexmoe_spare2_every5", "eplb",
+                                              "eplb_guard0"]
     with pytest.raises(SystemExit, match="static_spare2: unknown"):
         planners.main(["--runs", "static,static_spare2", "--steps", "1"])

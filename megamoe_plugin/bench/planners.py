@@ -70,27 +70,31 @@ MODEL = ["--hidden", "256", "--layers", "4", "--heads", "4", "--ffn-hidden", "51
 
 
 def split_run(run: str):
-    """(one of RUNS, spare slots per rank or None, policy interval or None) of a run name:
-    ``flexmoe_overlap_spare2_every5`` is flexmoe_overlap with two spare slots per rank (the placements with replicas
-    only) and its policy run every 5 steps (the placements with a policy only); None for a name that is not a run."""
-    found = re.fullmatch(r"(.+?)(?:_spare(\d+))?(?:_every(\d+))?", run)
-    base, spare, every = found[1], found[2], found[3]
+    """(one of RUNS, spare slots per rank or None, policy interval or None, guard margin or None) of a run name:
+    ``flexmoe_overlap_spare2_every5_guard0`` is flexmoe_overlap with two spare slots per rank (the placements with
+    replicas only), its policy run every 5 steps and the pay-off guard's margin 0% (the placements with a policy
+    only); None for a name that is not a run."""
+    found = re.fullmatch(r"(.+?)(?:_spare(\d+))?(?:_every(\d+))?(?:_guard(\d+))?", run)
+    base, spare, every, guard = found[1], found[2], found[3], found[4]
     if base not in RUNS or (spare is not None and (base not in REPLICA_RUNS or int(spare) < 1)) \
-            or (every is not None and (base not in POLICY_RUNS or int(every) < 1)):
+            or ((every is not None or guard is not None) and base not in POLICY_RUNS) \
+            or (every is not None and int(every) < 1):
         return None
-    return base, (int(spare) if spare else None), (int(every) if every else None)
+    return base, (int(spare) if spare else None), (int(every) if every else None), \
+        (int(guard) / 100 if guard else None)
 
 
 def run_order(run: str):
-    base, spare, every = split_run(run)
-    return RUNS.index(base), spare or 0, every or 0
+    base, spare, every, guard = split_run(run)
+    return RUNS.index(base), spare or 0, every or 0, -1 if guard is None else guard
 
 
 def run_flags(run: str, capacity_factor: float) -> List[str]:
-    """The ``megamoe train`` flags of one of RUNS (or ``<run>_spare<N>_every<K>``, ``split_run``)."""
-    base, spare, every = split_run(run)
+    """The ``megamoe train`` flags of one of RUNS (or ``<run>_spare<N>_every<K>_guard<M>``, ``split_run``)."""
+    base, spare, every, guard = split_run(run)
     return (_base_flags(base, capacity_factor) + (["--moe-placement-spare-slots", str(spare)] if spare else [])
-            + (["--moe-placement-interval", str(every)] if every else []))
+            + (["--moe-placement-interval", str(every)] if every else [])
+            + (["--moe-placement-guard", str(guard)] if guard is not None else []))
 
 
 def _base_flags(run: str, capacity_factor: float) -> List[str]:
@@ -302,7 +306,8 @@ def main(argv: Optional[List[str]] = None) -> dict:
     if unknown:
         raise SystemExit(f"megamoe bench planners: --runs {','.join(unknown)}: unknown; known: {','.join(RUNS)}, "
                          f"and {'|'.join(REPLICA_RUNS)} with _spare<N> (N >= 1 spare slots per rank), "
-                         f"{'|'.join(POLICY_RUNS)} with _every<K> (K >= 1 steps)")
+                         f"{'|'.join(POLICY_RUNS)} with _every<K> (K >= 1 steps) and _guard<M> (the guard's "
+                         f"margin M%)")
     why = netns.unavailable()
     if why:
         raise SystemExit(f"megamoe bench planners: {why}")
