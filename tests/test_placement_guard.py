@@ -132,6 +132,30 @@ def test_after_a_change_paid_a_lost_trial_pauses_without_stopping():
     assert [guard.paused() for _ in range(9)] == [True] * 8 + [False]       # 2 ** 3 runs after the third undo
 
 
+def test_a_change_that_moved_nothing_is_kept_only_when_not_slower():
+    """A new shadow set costs nothing to undo: 2% slower is within the 3% margin for a change that moved rows (kept),
+    but undoes one that moved nothing; and the watch of a placement reached by shadow changes alone sends it back
+    to the start on a 2% loss that it lets pass where rows were moved."""
+    rt, before = _changed_runtime()
+    verdicts = {}
+    for free in (False, True):
+        guard = PayoffGuard(warmup_steps=0, margin=0.03)
+        guard.record(1.0, 0.0, 1, [rt], [before], [(2,)], free_undo=free)
+        _steps(guard, 1.02, 1.02, 1.02)
+        verdicts[free] = guard.check(1)
+    assert verdicts[False] is None and isinstance(verdicts[True], list)
+    watched = {}
+    for free in (False, True):
+        guard = PayoffGuard(warmup_steps=0, margin=0.03, min_reference=3)
+        _steps(guard, *[1.0] * 6)
+        guard.record(1.0, 0.0, 1, [rt], [before], [(2,)], free_undo=free)
+        _steps(guard, 0.99, 0.99, 0.99)
+        assert guard.check(1) is None and guard.kept == 1               # it paid (both)
+        _steps(guard, *[1.05] * 3)                                      # then the routing moved: 2% behind overall
+        watched[free] = guard.check(1)
+    assert watched[False] is None and isinstance(watched[True], list)
+
+
 def test_a_verdict_judges_against_the_old_placement_on_the_routing_after_the_change():
     """Steps slowed from 1.0 to 1.06 s after a change, but the model prices the old placement 0.04 s slower on the
     counts of the window after it than on those before (the routing concentrated): against 1.0 + 0.04 = 1.04 s

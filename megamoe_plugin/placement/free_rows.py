@@ -1,17 +1,9 @@
-"""Free vExpert slots cost no optimizer work: the optimizer updates a bank only up to its last occupied slot.
-
-A rank's bank holds ``slots_per_rank`` rows per parameter (FlexMoE's vExperts, paper 001 §3.2); the slots no expert
-occupies carry no tokens and no gradient, and their contents are never read before a move overwrites them with the
-moved expert's weights and optimizer state (placement/runtime.py). A torch optimizer still steps every element of
-a parameter: Adam's moments, square roots and weight decay over a free slot's rows cost as much as over an
-occupied slot's. ``FreeRows`` narrows, for the duration of ``optimizer.step()``, each bank parameter (or the fp32
-master copy the optimizer updates in its place), its gradient and its optimizer state tensors to the rows
-``[0, last occupied slot + 1)``: dim-0 prefixes, so views of the same storage, which the optimizer updates in
-place. The spare slots FlexMoE and EPLB add at the end of each bank therefore cost nothing until a move fills them.
-
-It narrows only the tensors a ``torch.optim.Optimizer`` steps whole (the parameter itself, or a master copy of its
-shape) and only once the optimizer has created their state at full size (the first step creates it). Megatron's
-distributed optimizer keeps a flat shard of every parameter: there the free rows are still stepped.
+"""Free vExpert slots cost no optimizer work (FlexMoE's spare slots, paper 001 §3.2): while ``optimizer.step()``
+runs, each bank parameter (or the fp32 master copy the optimizer updates), its gradient and its optimizer state are
+narrowed to the rows up to the last occupied slot: dim-0 prefixes, views of the same memory updated in place. A free
+slot carries no tokens and the next move into it overwrites it, weights and state. Only for tensors a
+``torch.optim.Optimizer`` steps whole, once it has made their state (the first step); Megatron's distributed
+optimizer keeps flat shards, which still step the free rows.
 """
 from __future__ import annotations
 

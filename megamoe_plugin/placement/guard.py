@@ -6,6 +6,9 @@ before it (the papers' planners trust their cost models; this keeps a model that
   routing's drift (``_drift_credit``). Slower by more than ``margin`` plus ``undo_sigmas`` standard errors: undone
   (the previous slot table and shadow set restored) and the policy pauses ``backoff ** strikes`` runs; within it: kept;
   in between: judged again a window later, up to ``verdict_windows`` windows, then by the margin alone.
+- A change that moved no rows (only shadow sets changed) costs nothing to undo, so it is judged with margin 0, and
+  so is the watch of a placement reached by such changes alone: keeping one that does not measure faster buys
+  nothing and risks a loss.
 - Away from the original placement, a watch compares the steps since it left with the ``reference`` (the median
   of the last ``reference_steps`` steps run there) at 2, 4, 8, ... windows: slower by more than the margin (and,
   before ``sure_windows`` windows, the noise) returns to the original placement; after ``max_returns`` returns the
@@ -39,7 +42,9 @@ WAIT = "wait"
 class GuardSettings:
     """The pay-off guard's constants (``PayoffGuard(**overrides)`` changes any of them)."""
     margin: float = 0.03
-    """A change may cost this fraction of a step and still be kept (``--moe-placement-guard``; < 0: guard off)."""
+    """A change may cost this fraction of a step and still be kept (``--moe-placement-guard``; < 0: guard off).
+    A change that moved nothing (a new shadow set) costs nothing to undo: it is kept, and a placement reached by
+    such changes alone stays, only when not slower at all."""
     min_steps: int = 3
     """The shortest window of steps a verdict is a median of (else the policy's interval)."""
     backoff: int = 2
@@ -74,7 +79,7 @@ def job_max(value: Optional[float]) -> Optional[float]:
 
 def job_max_many(values: Sequence[Optional[float]]) -> List[Optional[float]]:
     """``job_max`` of several values (each >= 0 or None) in one all-reduce: a policy run's scalars cost one
-    collective, not one each (on the emulated cluster a small all-reduce costs a few ms of a rank's step)."""
+    collective, not one each."""
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return list(values)
     own = [-1.0 if v is None else float(v) for v in values]
@@ -94,6 +99,7 @@ class _Change:
     from_origin: bool = False                         # made from the original placement: undoing it returns there
     before_model_s: Optional[float] = None            # the model's step of the old placement on the counts before
     old_after_s: List[float] = field(default_factory=list)   # the model's step of the old placement, per window after
+    margin: float = 0.0                               # the loss it may cost and still be kept (fraction of a step)
 
 
 class PayoffGuard:
@@ -122,6 +128,7 @@ class PayoffGuard:
         self.job_noise: Optional[float] = None        # the job's step_noise, as the policy last all-reduced it
         self.last_drift_s = 0.0                       # how far the last verdict moved the steps before (s)
         self.inconclusive = 0                         # verdicts and watches that found a loss within the noise
+        self.away_free = False                        # every change since leaving the start moved no rows
 
     @property
     def enabled(self) -> bool:
@@ -186,8 +193,8 @@ class PayoffGuard:
                                                              - change.before_model_s, before_s), 0.0)
         final = len(after) >= self.settings.verdict_windows * change.window
         behind = self._behind(interval, drift)
-        lost = measured > before_s * (1.0 + self.settings.margin)
-        within_noise = measured <= before_s * (1.0 + self.settings.margin) + \
+        lost = measured > before_s * (1.0 + change.margin)
+        within_noise = measured <= before_s * (1.0 + change.margin) + \
             self.settings.undo_sigmas * self.verdict_error(change, len(after))
         if not behind and lost and not final and within_noise:
             self.inconclusive += 1                    # within the noise: judge again on one more window
@@ -214,9 +221,8 @@ class PayoffGuard:
 
     def _behind(self, interval: int, drift=None) -> bool:
         """Whether the steps since the placement left the original one are slower than the reference (beyond the
-        noise, ``_against_reference``). Judged on at least two windows of them: one window of a few steps is too
-        noisy to send a policy back to its start (on the emulated cluster the median of 3 steps moves by 10-15%
-        between windows of the same placement). Collective when judged (every rank has observed as many steps)."""
+        noise, ``_against_reference``), judged on at least two windows of them (one window of a few steps is too
+        noisy to send a policy back to its start). Collective when judged (every rank has observed as many steps)."""
         if self.at_origin or self.reference is None or len(self.away) < 2 * self.window(interval):
             return False
         return self._against_reference(interval, drift) is True
@@ -234,12 +240,13 @@ class PayoffGuard:
             if now is not None:
                 reference = max(reference + self._drift_credit(now - self.reference_model_s, reference), 0.0)
         away = job_max(statistics.median(self.away))
-        if away <= reference * (1.0 + self.settings.margin):
+        margin = 0.0 if self.away_free else self.settings.margin
+        if away <= reference * (1.0 + margin):
             return False
         if self.away_steps >= self.settings.sure_windows * self.window(interval):
             return True
         error = self._median_difference_error(reference, len(self.away), self.reference_n)
-        return True if away > reference * (1.0 + self.settings.margin) + self.settings.undo_sigmas * error else None
+        return True if away > reference * (1.0 + margin) + self.settings.undo_sigmas * error else None
 
     def _watch(self, interval: int, drift=None):
         """Away from the original placement with no change pending: at 2, 4, 8, ... windows since leaving it,
@@ -287,10 +294,8 @@ class PayoffGuard:
     def step_noise(self) -> Optional[float]:
         """This rank's relative spread of one step under the original placement, from one step to the next:
         1.4826 x the median of the absolute differences of consecutive steps, over sqrt(2) and the median step (a
-        standard deviation that the odd evaluation or checkpoint step does not move, nor a slow drift: the first
-        steps of a run are slower for a while, and a spread about the median would count that warm-up as noise;
-        measured at 2,048 tokens per rank, 27-45% of a step that way against 7-12% step to step); None before
-        ``min_reference`` such steps."""
+        standard deviation that the odd evaluation or checkpoint step does not move, nor a slow drift such as the
+        slower first steps of a run); None before ``min_reference`` such steps."""
         steps = self.origin_steps
         if len(steps) < self.settings.min_reference:
             return None
@@ -332,11 +337,12 @@ class PayoffGuard:
 
     def record(self, before_s: Optional[float], cost_s: float, interval: int, runtimes: Sequence[object],
                states: Sequence[PlacementState], shadows: Sequence[Tuple[int, ...]],
-               before_model_s: Optional[float] = None) -> None:
+               before_model_s: Optional[float] = None, free_undo: bool = False) -> None:
         """A run changed the placement: remember what it was, to judge the change once its window is measured.
         ``before_s``: the job's median step before the change (``job_max(baseline(interval))``); ``cost_s``: this
         rank's time for the run that made it; ``before_model_s``: the model's step time of the old placement on the counts of the
-        steps before the change (the reference ``check``'s ``drift`` is taken against; job-wide). Collective (every
+        steps before the change (the reference ``check``'s ``drift`` is taken against; job-wide); ``free_undo``: the
+        change moved no rows (only shadow sets changed), so it is judged with margin 0. Collective (every
         rank records the same change): the verdict adds the slowest rank's cost, so every rank judges the change
         alike."""
         if before_s is None or not self.enabled:
@@ -351,5 +357,6 @@ class PayoffGuard:
             self.reference_n = len(self.origin_steps) or 1
             self.reference_model_s = before_model_s
             self._restart_watch(at_origin=False)
+        self.away_free = free_undo and (from_origin or self.away_free)
         self.pending = _Change(before_s, cost_s, len(self.steps), self.window(interval), snapshots, from_origin,
-                               before_model_s)
+                               before_model_s, margin=0.0 if free_undo else self.settings.margin)

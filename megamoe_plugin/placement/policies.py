@@ -1,49 +1,19 @@
-"""The built-in placement policies ``--moe-placement flexmoe`` and ``--moe-placement shadow``: what runs in the
-after-step hook (hooks.py) on every rank between two optimizer steps.
+"""The built-in placement policies ``--moe-placement flexmoe | shadow | eplb``: what runs in the after-step hook
+(hooks.py) on every rank between two optimizer steps, for every MoE layer of this rank:
 
-Each run, for every MoE layer of this rank (in model order):
+1. the routing since the last run: each rank's [E] counts all-gathered over the expert-parallel group into [P, E]
+   and summed over the expert-data-parallel group (every group plans from the same numbers and keeps the same
+   placement), with the counts of the planners' window (``PlacementRuntime.recent``) in the same collective;
+2. the decision, deterministic on every rank: ``FlexMoEPlanner`` (paper 001 Alg. 1-2, at most
+   ``FLEXMOE_MAX_MOVES`` per layer), ``ShadowPlanner`` (paper 003 Alg. 1, Eqs. 7-8) or ``EPLBPlanner`` (DeepSeek's
+   EPLB), each on the cost model of ``--moe-placement-profile`` (``auto``: the job calibrated at its first run),
+   each keeping a change only when it is predicted to save ``_required_gain`` of the MoE layers' time; the ranks of
+   a group check that they agree;
+3. execution (``apply_placement``: moves with their optimizer state, point to point; the replica groups);
+4. the pay-off guard (guard.py) judges each change on the measured steps after it, and an idle policy backs off
+   (``_back_off``).
 
-1. the last steps' routing: the [E] counts this rank's training forwards sent (``PlacementRuntime.step_counts``),
-   all-gathered over the expert-parallel group into [P, E] and summed over the expert-data-parallel group, so
-   every expert-parallel group of the job plans from the same numbers and keeps the same placement (its slots are
-   reduced together); in the same collective, the counts of the planners' window (``PlacementRuntime.recent``:
-   FlexMoE's last 3 steps, ``MoEConfig.placement_plan_window``), from which the planners decide;
-2. the decision, deterministic, on every rank:
-   * ``flexmoe``: ``FlexMoEPlanner`` (paper 001 Alg. 1-2: balance-ratio trigger ``--moe-placement-threshold``,
-     Expand the hottest per-vExpert load, Shrink the coldest, keep a change only when the cost model predicts a
-     gain net of its transfer, then Migrate for cheaper synchronisation; at most ``FLEXMOE_MAX_MOVES`` per layer);
-   * ``shadow``: ``ShadowPlanner`` (paper 003 Alg. 1 with Eqs. 7-8): the experts to shadow in the next steps;
-   * ``eplb``: ``EPLBPlanner`` (DeepSeek's EPLB, eplb.py): a whole new slot table from the moving-average load,
-     reached by Expand / Shrink / Migrate, kept only when the cost model predicts a gain net of the moves;
-   the ranks of an expert-parallel group check that they agree (one tiny all-reduce);
-3. execution: ``apply_placement`` moves parameters + optimizer state point to point and prepares the replica
-   groups (collective over the default group: every rank calls it, with or without moves);
-4. the pay-off guard (guard.py, ``--moe-placement-guard``): once the steps after a change are measured (a window
-   of at least 3 steps; no new change meanwhile), a change whose median step is slower than the median before it is
-   undone, and the policy pauses; a placement whose steps run slower than the original placement's goes back
-   there, and after two such returns the policy stops for the run;
-5. an idle policy backs off (``_back_off``): at the original placement, each run that changed nothing skips the
-   next 1, 2, 4, ... runs (at most ``IDLE_GAP_STEPS`` steps apart), so a policy with nothing to do costs the steps
-   almost nothing. The measurements behind these choices: docs/history/ (the guard's and policies' design notes).
-
-The cost model is the hardware profile ``--moe-placement-profile`` at the expert-parallel size, with the layer's real
-shape: ``auto`` (the default) calibrates the running job's own process groups at the first run (a second or two,
-cached per cluster; ``perfmodel.autoprofile``); a named profile or the JSON that ``megamoe perf calibrate`` writes overrides it.
-
-A change is made only when the cost model predicts it saves, transfers included, ``MIN_PREDICTED_GAIN`` of the MoE
-layers' time (the model's error on a step is about 10%), or what the guard can tell from the steps' noise if more
-(``required_gain`` in the metrics).
-
-``metrics`` after a run (layer means for ratios, sums for counts): ``balance_ratio`` (Eq. 6 of the last steps'
-routing under the placement they ran with) and ``balance_ratio_next`` (under the new one),
-``token_efficiency`` (kept / routed assignments), ``expert_efficiency`` (useful expert rows / (P x the busiest
-rank's rows)), ``replicas`` (vExperts beyond one per expert, shadow copies included), ``shadowed``, ``moves``,
-``bytes_moved``; the guard's verdicts so far (``changes_kept``, ``changes_undone``, ``verdicts_inconclusive``,
-``returned_to_start``, ``guard_stopped``, ``verdict_drift_s``, ``step_noise``); ``predicted_step_s`` and
-``predicted_static_step_s`` (the model's MoE time of a step under the placement the steps ran with, and static);
-``sync_wait_s`` / ``shadow_wait_s`` (seconds per step the backward's end waited for the overlapped gradient reduces);
-``move_wait_s`` (the slowest rank's seconds on this run's moves; ``move_wait_total_s`` summed) and
-``measured_step_s`` (wall time per optimizer step since the previous run).
+``metrics`` after a run are listed in docs/placement.md ("Metrics").
 """
 from __future__ import annotations
 
@@ -169,9 +139,8 @@ class _Policy:
         """A run that changed nothing at the original placement (nothing replicated or shadowed, no change pending)
         makes the policy skip the next 1, 2, 4, ... runs, up to IDLE_GAP_STEPS steps between runs; any change
         resets it. A skipped run costs the step nothing (no collective, no planning: counts add up for the next),
-        while a run costs a few all-reduces and the planner's search, which a rank capped at a fixed speed pays
-        in full (measured at 512 tokens per rank: an idle shadowing policy planning every step ran 8% slower
-        than static). The same on every rank: every input is job-wide."""
+        while a run costs a few all-reduces and the planner's search. The same on every rank: every input is
+        job-wide."""
         at_origin = (self.guard.pending is None and self.guard.at_origin
                      and not any(m.plan.placement.shadowed or m.plan.placement.state.total_replicas
                                  > m.plan.placement.num_experts for m in layers))
@@ -307,9 +276,10 @@ class _Policy:
                       for (_, _, _, _, _, moves, shadow), old in zip(rows, before))
         self._back_off(changed or undo is not None, layers, every)
         if changed and undo is None:
+            moved = any(row[5] for row in rows)      # else only the shadow sets changed: undone for free
             self.guard.record(baseline, time.perf_counter() - now, every, [m.plan.placement for m in layers],
                               [b[0] for b in before], [b[1] for b in before],
-                              before_model_s=sum(row[4] for row in rows))
+                              before_model_s=sum(row[4] for row in rows), free_undo=not moved)
         self._report(rows, sent, measured)
         if rows:
             self.metrics["predicted_static_step_s"] = static_pred
