@@ -11,7 +11,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from .optim_state import _is_sharding, _master_of, optimizer_levels
+from .optim_state import is_sharding, master_of, optimizer_levels
 
 __all__ = ["FreeRows"]
 
@@ -31,7 +31,7 @@ class FreeRows:
         """Hooks for every bank of ``layers`` that has spare slots; None when there is nothing to narrow."""
         self = cls()
         levels = list(optimizer_levels(optimizer)) if optimizer is not None else []
-        if any(_is_sharding(level) for level in levels):
+        if any(is_sharding(level) for level in levels):
             return None
         torch_levels = [level for level in levels if isinstance(level, torch.optim.Optimizer)]
         for layer in layers:
@@ -42,7 +42,7 @@ class FreeRows:
             for p in (bank.w1, bank.w2, bank.b1, bank.b2):
                 if p is None:
                     continue
-                key = next((m for m in (_master_of(level, p) for level in levels) if m is not None), p)
+                key = next((m for m in (master_of(level, p) for level in levels) if m is not None), p)
                 if key.shape != p.shape:
                     continue
                 for level in torch_levels:

@@ -27,7 +27,8 @@ from typing import Iterator, List, Optional, Tuple
 
 import torch
 
-__all__ = ["optimizer_levels", "param_state_tensors", "slot_state_views", "check_optimizer_supported", "sharded_range"]
+__all__ = ["optimizer_levels", "param_state_tensors", "slot_state_views", "check_optimizer_supported", "sharded_range",
+           "master_of", "is_sharding"]
 
 def optimizer_levels(optimizer) -> Iterator[object]:
     """The optimizer and every wrapper/inner optimizer below it, depth first through chains."""
@@ -52,7 +53,7 @@ def optimizer_levels(optimizer) -> Iterator[object]:
 def check_optimizer_supported(optimizer) -> None:
     """Raise a clear error for optimizers whose expert state cannot be moved row by row."""
     for o in optimizer_levels(optimizer):
-        if _is_sharding(o) and getattr(getattr(o, "ddp_config", None), "overlap_param_gather", False):
+        if is_sharding(o) and getattr(getattr(o, "ddp_config", None), "overlap_param_gather", False):
             raise ValueError("megamoe-plugin placement: --overlap-param-gather leaves the model's parameters stale "
                              "until the next forward, when experts move; drop --overlap-param-gather to move experts")
         fp32 = getattr(o, "fp32_params", None)
@@ -61,7 +62,8 @@ def check_optimizer_supported(optimizer) -> None:
                              "parameters; use --fp16-no-flatten-grads or --memory-efficient-fp16 to move experts")
 
 
-def _master_of(level, param) -> Optional[torch.Tensor]:
+def master_of(level, param) -> Optional[torch.Tensor]:
+    """The fp32 master copy a mixed-precision wrapper at ``level`` keeps of ``param`` (None when it keeps none)."""
     for model_groups, main_groups in (("float16_groups", "fp32_from_float16_groups"),):
         mg, fg = getattr(level, model_groups, None), getattr(level, main_groups, None)
         if mg and fg:
@@ -77,7 +79,7 @@ def _master_of(level, param) -> Optional[torch.Tensor]:
     return None
 
 
-def _is_sharding(level) -> bool:
+def is_sharding(level) -> bool:
     """Megatron's distributed optimizer (by its interface: parameter ranges and main-parameter groups)."""
     return hasattr(level, "model_param_group_index_map") and hasattr(level, "_get_model_param_range_map")
 
@@ -86,7 +88,7 @@ def sharded_range(optimizer, param) -> Optional[Tuple[object, int, int]]:
     """(the optimizer level, start, end) of ``param``'s flat elements that a sharding optimizer keeps on this rank;
     None when no sharding optimizer holds ``param``."""
     for level in optimizer_levels(optimizer):
-        if _is_sharding(level) and param in getattr(level, "model_param_group_index_map", {}):
+        if is_sharding(level) and param in getattr(level, "model_param_group_index_map", {}):
             r = level._get_model_param_range_map(param)["param"]
             return level, int(r.start), int(r.end)
     return None
@@ -125,7 +127,7 @@ def param_state_tensors(optimizer, param: torch.Tensor) -> List[torch.Tensor]:
     out: List[torch.Tensor] = []
     key = param
     for level in optimizer_levels(optimizer):
-        master = _master_of(level, param)
+        master = master_of(level, param)
         if master is not None and master.shape == param.shape:
             out.append(master)
             key = master
