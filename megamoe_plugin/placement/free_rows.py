@@ -62,8 +62,11 @@ class FreeRows:
 
     def _narrow(self, optimizer, args, kwargs) -> None:
         narrowed = False
+        rows_of = {}                     # one lookup per layer, not one per parameter
         for key, rt in self.entries.get(id(optimizer), ()):
-            n = rt.occupied_rows()
+            if id(rt) not in rows_of:
+                rows_of[id(rt)] = rt.occupied_rows()
+            n = rows_of[id(rt)]
             state = optimizer.state.get(key)
             if n >= key.shape[0] or key.grad is None or not state:
                 continue
