@@ -109,7 +109,7 @@ def _moved_checkpoint(rank, world):
     s = rt.state.copy()
     moves = [s.expand(0, 1), s.migrate(3, 1, 0)]
     apply_placement([(rt, moves, bank)], opt)
-    assert rt.slot_experts(0) == [0, 1, 3] and rt.slot_experts(1) == [2, None, 0]
+    assert rt.state.slots_of(0) == [0, 1, 3] and rt.state.slots_of(1) == [2, None, 0]
     for n, p in bank.named_parameters():        # the moves carried weights and momentum; the slots now differ
         torch.testing.assert_close(p.detach(), local_from_logical(full[n], rt), rtol=0, atol=0)
         torch.testing.assert_close(state[p]["momentum_buffer"], local_from_logical(full_mom[n], rt), rtol=0, atol=0)

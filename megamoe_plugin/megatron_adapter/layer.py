@@ -191,8 +191,8 @@ class PluginExperts(MegatronModule):
             held = [(i, self.ep.rank * self.num_local_experts + i) for i in range(self.num_local_experts)]
             owner = {e: True for _, e in held}
         else:
-            held = [(i, e) for i, e in enumerate(runtime.slot_experts()) if e is not None]
-            owner = {e: runtime.owner(e)[0] == self.ep.rank for _, e in held}
+            held = [(i, e) for i, e in enumerate(runtime.state.slots_of(runtime.ep.rank)) if e is not None]
+            owner = {e: runtime.state.owner(e)[0] == self.ep.rank for _, e in held}
         gated = is_gated(self.bank.activation)
 
         def builder(name):

@@ -28,12 +28,12 @@ __all__ = ["logical_from_gathered", "local_from_logical", "gather_logical", "loa
 
 
 def logical_from_gathered(rows: torch.Tensor, runtime) -> torch.Tensor:
-    index = torch.tensor(runtime.logical_rows(), dtype=torch.long, device=rows.device)
+    index = torch.tensor(runtime.state.logical_rows(), dtype=torch.long, device=rows.device)
     return rows.index_select(0, index)
 
 
 def local_from_logical(full: torch.Tensor, runtime, rank: Optional[int] = None) -> torch.Tensor:
-    slots = runtime.slot_experts(rank)
+    slots = runtime.state.slots_of(runtime.ep.rank if rank is None else rank)
     if full.shape[0] != runtime.num_experts:
         raise ValueError(f"expected [{runtime.num_experts}, ...] expert rows, got {tuple(full.shape)}")
     out = full.new_zeros((len(slots),) + tuple(full.shape[1:]))

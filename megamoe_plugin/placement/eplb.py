@@ -216,23 +216,18 @@ class EPLBPlanner:
         nbytes = model_state_bytes(self.cm.shape)
         load = self.average.sum(0).tolist()
         before = self.cm.layer_time(self.average, state.placement()).total
-        best = None                                       # (predicted step + amortised transfer, moves, after, transfer)
         for groups in (nodes, [list(range(state.num_ranks))]):   # hierarchical; else balanced over all ranks
             try:
-                target = _match_ranks(state, eplb_table(load, groups, state.slots_per_rank), groups)
-                moves = moves_to(state, target, nbytes)
+                moves = moves_to(state, _match_ranks(state, eplb_table(load, groups, state.slots_per_rank), groups),
+                                 nbytes)
+                break
             except (PlacementError, ValueError):          # no table without two replicas of an expert on a rank
                 continue
-            after = self.cm.layer_time(self.average, state.copy().apply(moves).placement()).total
-            transfer = sum(self.cm.move_time(m.nbytes, m.src, m.dst) for m in moves if m.communicates)
-            best = (after + transfer / self.horizon, moves, after, transfer)
-            break
-        if best is None:
-            self.last = {"triggered": False, "time_before": before, "time_after": before, "transfer_time": 0.0,
-                         "moves": 0}
-            return []
-        net, moves, after, transfer = best
-        pays = bool(moves) and net < before * (1.0 - self.min_gain)
+        else:
+            moves = []
+        after = self.cm.layer_time(self.average, state.copy().apply(moves).placement()).total
+        transfer = sum(self.cm.move_time(m.nbytes, m.src, m.dst) for m in moves if m.communicates)
+        pays = bool(moves) and after + transfer / self.horizon < before * (1.0 - self.min_gain)
         self.last = {"triggered": pays, "time_before": before, "time_after": after if pays else before,
                      "transfer_time": transfer if pays else 0.0, "moves": len(moves) if pays else 0}
         return moves if pays else []

@@ -248,15 +248,9 @@ class FlexMoEPlanner:
         for cand in candidates:
             if len(cand) > budget:
                 continue
-            trial = s.copy()
-            new = []
-            for op in cand:
-                if op[0] == "expand":
-                    new.append(trial.expand(op[1], op[2], src=op[3], state_bytes=nbytes))
-                elif op[0] == "shrink":
-                    new.append(trial.shrink(op[1], op[2]))
-                else:
-                    new.append(trial.migrate(op[1], op[2], op[3], state_bytes=nbytes))
+            trial = s.copy()            # (kind, expert, rank[, src]) / ("migrate", expert, src, dst), in order
+            new = [trial.shrink(*op[1:]) if op[0] == "shrink" else getattr(trial, op[0])(*op[1:], state_bytes=nbytes)
+                   for op in cand]
             transfer = sum(cm.move_time(m.nbytes, m.src, m.dst) for m in new if m.communicates)
             t1 = self._time(cm, trial, c)
             score = t1 + transfer / self.horizon

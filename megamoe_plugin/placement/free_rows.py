@@ -64,16 +64,13 @@ class FreeRows:
         narrowed = False
         rows_of = {}                     # one lookup per layer, not one per parameter
         for key, rt in self.entries.get(id(optimizer), ()):
-            if id(rt) not in rows_of:
-                rows_of[id(rt)] = rt.occupied_rows()
-            n = rows_of[id(rt)]
+            n = rows_of[id(rt)] if id(rt) in rows_of else rows_of.setdefault(id(rt), rt.occupied_rows())
             state = optimizer.state.get(key)
             if n >= key.shape[0] or key.grad is None or not state:
                 continue
             full, grad = key.data, key.grad
             rows = {k: v for k, v in state.items() if torch.is_tensor(v) and v.shape == full.shape}
-            key.data = full[:n]
-            key.grad = grad[:n]
+            key.data, key.grad = full[:n], grad[:n]
             for k, v in rows.items():
                 state[k] = v[:n]
             self._saved.append((key, full, grad, state, rows))
@@ -83,6 +80,5 @@ class FreeRows:
     def _restore(self, optimizer, args, kwargs) -> None:
         while self._saved:
             key, full, grad, state, rows = self._saved.pop()
-            key.data = full
-            key.grad = grad
+            key.data, key.grad = full, grad
             state.update(rows)

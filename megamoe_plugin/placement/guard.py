@@ -169,10 +169,9 @@ class PayoffGuard:
         ``drift``: called with the change's snapshots when its verdict is due (collective: every rank judges at the
         same step), the model's step time of the OLD placement on the counts of the window after the change, or
         None. The routing moves while a change is judged (early in training it concentrates on fewer experts, and
-        every placement's steps slow down); the verdict then weighs the steps after the change against the steps
-        before it moved by the model's difference between the old placement on the two windows' counts
-        (``before_model_s`` at ``record``; the mean over the windows a verdict spans), not against the steps before
-        as they were. The watch calls it with the original placement's snapshots."""
+        every placement's steps slow down), so the steps before the change are moved by the model's difference
+        between the old placement on the two windows' counts (``before_model_s`` at ``record``; the mean over the
+        windows a verdict spans). The watch calls it with the original placement's snapshots."""
         if not self.enabled:
             return None
         change = self.pending
@@ -195,7 +194,7 @@ class PayoffGuard:
         behind = self._behind(interval, drift)
         lost = measured > before_s * (1.0 + change.margin)
         within_noise = measured <= before_s * (1.0 + change.margin) + \
-            self.settings.undo_sigmas * self.verdict_error(change, len(after))
+            self.settings.undo_sigmas * self._median_difference_error(change.before_s, change.window, len(after))
         if not behind and lost and not final and within_noise:
             self.inconclusive += 1                    # within the noise: judge again on one more window
             return WAIT
@@ -220,9 +219,8 @@ class PayoffGuard:
         return min(modelled, self.settings.max_drift * step_s)
 
     def _behind(self, interval: int, drift=None) -> bool:
-        """Whether the steps since the placement left the original one are slower than the reference (beyond the
-        noise, ``_against_reference``), judged on at least two windows of them (one window of a few steps is too
-        noisy to send a policy back to its start). Collective when judged (every rank has observed as many steps)."""
+        """Whether the steps since the placement left the original one are slower than the reference beyond the
+        noise (``_against_reference``), judged on at least two windows of them. Collective when judged."""
         if self.at_origin or self.reference is None or len(self.away) < 2 * self.window(interval):
             return False
         return self._against_reference(interval, drift) is True
@@ -231,9 +229,7 @@ class PayoffGuard:
         """The job's median step since leaving the original placement against the reference: True (slower by more
         than the margin and, before ``sure_windows`` windows away, by more than ``undo_sigmas`` standard errors of
         the two medians beyond it), False (within the margin) or None (in between: not yet known). The reference
-        moves by the model's difference between the original placement on the routing of now and of then (the
-        routing concentrates early in training and every placement's steps slow down; without it the watch
-        judged a change's steps against steps of an easier routing). Collective."""
+        moves with the routing's drift (``check``). Collective."""
         reference = self.reference
         if drift is not None and self.reference_model_s is not None and self.origin is not None:
             now = drift(self.origin)
@@ -312,12 +308,6 @@ class PayoffGuard:
             return 0.0
         return self.settings.resolve_sigmas * 1.25 * (2.0 ** 0.5) * noise / (2 * self.window(interval)) ** 0.5
 
-    def verdict_error(self, change: _Change, after: Optional[int] = None) -> float:
-        """The standard error (s) of one verdict's measured saving: the difference of the median of the window
-        before the change and that of the ``after`` steps after it (one window by default), of steps that vary by
-        the job's ``step_noise`` (a median's standard error is about 1.25 x the mean's)."""
-        return self._median_difference_error(change.before_s, change.window, after or change.window)
-
     def _median_difference_error(self, step_s: float, n1: int, n2: int) -> float:
         """The standard error (s) of the difference of the medians of ``n1`` and ``n2`` steps of about ``step_s``
         that vary by the job's ``step_noise`` (a median's standard error is about 1.25 x the mean's)."""
@@ -340,11 +330,9 @@ class PayoffGuard:
                before_model_s: Optional[float] = None, free_undo: bool = False) -> None:
         """A run changed the placement: remember what it was, to judge the change once its window is measured.
         ``before_s``: the job's median step before the change (``job_max(baseline(interval))``); ``cost_s``: this
-        rank's time for the run that made it; ``before_model_s``: the model's step time of the old placement on the counts of the
-        steps before the change (the reference ``check``'s ``drift`` is taken against; job-wide); ``free_undo``: the
-        change moved no rows (only shadow sets changed), so it is judged with margin 0. Collective (every
-        rank records the same change): the verdict adds the slowest rank's cost, so every rank judges the change
-        alike."""
+        rank's time for the run that made it (the verdict adds the slowest rank's); ``before_model_s``: the model's
+        step of the old placement on the counts before the change (``check``'s ``drift`` reference; job-wide);
+        ``free_undo``: the change moved no rows, so it is judged with margin 0. Collective."""
         if before_s is None or not self.enabled:
             return
         cost_s = job_max(cost_s)

@@ -13,8 +13,7 @@ class PlacementFeature(LayerFeature):
     def __init__(self, plan):
         cfg = plan.cfg
         self.runtime = PlacementRuntime(cfg.num_experts, plan.ep, cfg.slots_per_rank, edp_group=plan.edp_group,
-                                        cache=group_cache(),
-                                        overlap_sync=cfg.placement_overlap_sync)
+                                        cache=group_cache(), overlap_sync=cfg.placement_overlap_sync)
 
     def map_routing(self, routing):
         slots = self.runtime.route_tokens(routing)          # also counts the call's tokens for the planners

@@ -64,19 +64,14 @@ def check_optimizer_supported(optimizer) -> None:
 
 def master_of(level, param) -> Optional[torch.Tensor]:
     """The fp32 master copy a mixed-precision wrapper at ``level`` keeps of ``param`` (None when it keeps none)."""
-    for model_groups, main_groups in (("float16_groups", "fp32_from_float16_groups"),):
-        mg, fg = getattr(level, model_groups, None), getattr(level, main_groups, None)
-        if mg and fg:
-            for g16, g32 in zip(mg, fg):
-                for p16, p32 in zip(g16, g32):
-                    if p16 is param:
-                        return p32
-    p16s, p32s = getattr(level, "fp16_params", None), getattr(level, "fp32_params", None)
+    pairs = []
+    mg, fg = getattr(level, "float16_groups", None), getattr(level, "fp32_from_float16_groups", None)  # Megatron
+    if mg and fg:
+        pairs += [pair for g16, g32 in zip(mg, fg) for pair in zip(g16, g32)]
+    p16s, p32s = getattr(level, "fp16_params", None), getattr(level, "fp32_params", None)            # fairseq
     if isinstance(p16s, list) and isinstance(p32s, list):
-        for p16, p32 in zip(p16s, p32s):
-            if p16 is param:
-                return p32
-    return None
+        pairs += list(zip(p16s, p32s))
+    return next((p32 for p16, p32 in pairs if p16 is param), None)
 
 
 def is_sharding(level) -> bool:

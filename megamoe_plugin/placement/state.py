@@ -16,13 +16,10 @@ Model
   other ``slots_per_rank - E/P`` slots are free (``E`` must be a multiple of ``P``; ``slots_per_rank >= E/P``;
   default one spare slot per rank).
 * An expert may have several replicas (vExperts); every expert always keeps at least one.
-* ``max_replicas_per_rank`` (default 1): how many vExperts of ONE expert a rank may hold. FlexMoE lets a GPU hold
-  several vExperts of the same expert, which share the weights (one parameter copy, no transfer to add one) and
-  only change the routing shares (a rank with n_{e,g} vExperts takes n_{e,g} / n_e of the expert's tokens): finer
-  load splitting. With 1 (the default) the runtime keeps exactly one copy per (expert, rank) and every slot is a
-  distinct expert, which is simpler to execute and already lets the planner balance load; set it > 1 to get
-  FlexMoE's packed vExperts (an Expand onto a rank that already holds the expert is then a metadata change,
-  ``Move.nbytes == 0``, ``src == dst``).
+* ``max_replicas_per_rank``: vExperts of ONE expert a rank may hold; 1 (the default) is what the runtime executes.
+  Above 1 (the offline replay), FlexMoE's packed vExperts share one parameter copy and only change the routing
+  shares (a rank with n_{e,g} of them takes n_{e,g} / n_e of the expert's tokens); an Expand onto a rank that holds
+  the expert is then a metadata change (``Move.nbytes == 0``, ``src == dst``).
 
 Routing (FlexMoE Algorithm 3, "flexible token routing"), for counts I[p, e] (tokens source rank p sends to
 expert e) and the vExpert multiplicity n[e, q]:
@@ -91,16 +88,8 @@ class Move:
 
     @property
     def communicates(self) -> bool:
-        return self.kind != "shrink" and self.dst is not None and self.dst != self.src and self.nbytes > 0
-
-    def to_dict(self) -> dict:
-        return {"kind": self.kind, "expert": self.expert, "src": self.src, "dst": self.dst,
-                "src_slot": self.src_slot, "dst_slot": self.dst_slot, "nbytes": self.nbytes}
-
-    @classmethod
-    def from_dict(cls, d: dict) -> "Move":
-        return cls(str(d["kind"]), int(d["expert"]), int(d["src"]), None if d.get("dst") is None else int(d["dst"]),
-                   d.get("src_slot"), d.get("dst_slot"), int(d.get("nbytes", 0)))
+        """Whether it sends rows the cost model prices (``nbytes`` > 0)."""
+        return self.sends_rows and self.nbytes > 0
 
 
 def flexible_route(counts: torch.Tensor, multiplicity: torch.Tensor) -> torch.Tensor:
@@ -136,8 +125,7 @@ def _round_rows(x: torch.Tensor, totals: torch.Tensor) -> torch.Tensor:
     order = torch.argsort(frac, dim=-1, descending=True, stable=True)
     pos = torch.empty_like(order)
     pos.scatter_(-1, order, torch.arange(x.shape[-1]).expand_as(order).contiguous())
-    out = base.to(torch.long) + (pos < short[..., None]).to(torch.long)
-    return out
+    return base.to(torch.long) + (pos < short[..., None]).to(torch.long)
 
 
 class PlacementState:
@@ -217,12 +205,7 @@ class PlacementState:
     def replica_groups(self) -> List[Tuple[int, Tuple[int, ...]]]:
         """(expert, sorted distinct ranks) of every expert on more than one rank, in ascending logical expert id:
         the order in which every rank must all-reduce replica gradients (paper 001 §4, no deadlock)."""
-        out = []
-        for e in range(self.num_experts):
-            ranks = self.ranks_of(e)
-            if len(ranks) > 1:
-                out.append((e, tuple(ranks)))
-        return out
+        return [(e, tuple(ranks)) for e in range(self.num_experts) if len(ranks := self.ranks_of(e)) > 1]
 
     @property
     def total_replicas(self) -> int:
