@@ -738,7 +738,7 @@ def _train(parser, args, cfg: MoEConfig, ps: ParallelState, hook: AfterStepHook,
             gnorm = clip_grad_norm(model, args.clip_grad, ps, gate_sync.local)
             optimizer.step()
             gate_sync.after_step(model, done)
-            hook.run(model, optimizer, done)
+            hook.run(model, optimizer, done, last_step=args.steps)
         if dynamic is not None:
             if dynamic.cache is not None:
                 dynamic.cache.clear_batch()          # evaluation forwards never key into training samples

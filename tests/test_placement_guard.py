@@ -537,3 +537,35 @@ def test_flexmoe_plans_from_the_last_steps_routing(monkeypatch):
             rt._accumulate(torch.tensor([it, 0, 0, 10 - it]), torch.tensor(0))
         hook.run(layer, opt, it)
     assert len(seen) == 1 and seen[0].tolist() == [[9.0, 0.0, 0.0, 1.0]]
+
+
+def test_no_change_after_the_last_step_and_moves_amortised_over_the_steps_left(monkeypatch):
+    """With the run's last step known (``last_step``: train-iters, max-update, --steps), a move's transfer is
+    amortised over min(interval, steps left) and no run plans after the last step: nothing would pay it back.
+    Interval 4, last step 10, 12 steps: plans at 4 (over 4 steps) and 8 (over the 2 left), none at 12."""
+    import torch
+
+    from megamoe_plugin import MoEConfig
+    from megamoe_plugin.layer import MoELayer
+    from megamoe_plugin.placement import AfterStepHook, policies
+
+    cfg = MoEConfig(num_experts=4, top_k=1, gate="switch", placement="flexmoe", placement_profile="flexmoe-a100",
+                    placement_interval=4, placement_guard=-1)
+    layer = MoELayer(cfg, 8, 16)
+    opt = torch.optim.Adam(layer.parameters(), lr=1e-3)
+    hook = AfterStepHook(cfg)
+    monkeypatch.setattr(policies._Policy, "_back_off", lambda self, acted, layers, every: None)
+    real, planned = policies.FlexMoEPolicy.decide, []
+
+    def spy(self, key, cm, rt, counts):
+        out = real(self, key, cm, rt, counts)
+        planned.append((it, self._planners[key].horizon))
+        return out
+    monkeypatch.setattr(policies.FlexMoEPolicy, "decide", spy)
+    for it in range(1, 13):
+        opt.zero_grad()
+        layer(torch.randn(32, 8)).sum().backward()
+        opt.step()
+        hook.run(layer, opt, it, last_step=10)
+    assert planned == [(4, 4.0), (8, 2.0)], planned
+    assert layer.plan.placement.step_counts is not None          # the steps after the last run were not planned

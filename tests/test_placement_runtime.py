@@ -96,10 +96,9 @@ def _equivalence(rank, world, steps, out_dir, extra=None):
         # the backward's end waited (the wait is timed) only for overlapped all-reduces of replicas this rank holds,
         # and for the overlapped reduces of shadow copies (every rank takes part in those; they run inside the
         # layer when a shadowed expert also has replicas)
-        waited = rt.take_sync_wait()
+        waited, shadow_waited, _ = rt.take_waits()
         assert (waited > 0) == (replicated and rt.overlap_sync), (step, waited, replicated)
-        waited = rt.take_shadow_wait()
-        assert (waited > 0) == rt.shadow_reduce_overlapped, (step, waited, rt.shadowed)
+        assert (shadow_waited > 0) == rt.shadow_reduce_overlapped, (step, shadow_waited, rt.shadowed)
         moves, shadow = _random_changes(rt, rng, step)
         kinds.update(m.kind for m in moves)
         apply_placement([(rt, moves, moved.experts)], opt_mov)
@@ -186,7 +185,7 @@ def _routing_follows_algorithm3(rank, world):
     want = rt.state.route(torch.stack(parts), integer=True)[rank]               # [E, P]
     W = rt.width
     for q in range(world):
-        for i, e in enumerate(rt.slot_experts(q)):
+        for i, e in enumerate(rt.state.slots_of(q)):
             if e is not None:
                 assert int(slots.counts[q * W + i]) == int(want[e, q]), (q, i, e)
     assert int(slots.counts.sum()) == int(routing.counts.sum())
@@ -195,7 +194,7 @@ def _routing_follows_algorithm3(rank, world):
     assert torch.equal(slots.recv_counts, exchange_counts(slots.counts, dist.group.WORLD))
     # every kept assignment of expert e went to a slot holding e
     kept = routing.masked_ids < rt.num_experts
-    owner_of_slot = torch.tensor([e if e is not None else -1 for q in range(world) for e in rt.slot_experts(q)])
+    owner_of_slot = torch.tensor([e if e is not None else -1 for q in range(world) for e in rt.state.slots_of(q)])
     assert torch.equal(owner_of_slot[slots.masked_ids[kept]], routing.masked_ids[kept])
     # and with an expert shadowed beside the replicas (its tokens stay on their source)
     rt.set_shadowed([3])

@@ -248,7 +248,8 @@ def _wrap_trainer(Trainer) -> None:
             sync.after_step(_raw_model(self), self.get_num_updates())      # --moe-gate-sync average:K
         hook = getattr(self, "_megamoe_hook", None)
         if hook is not None and self.get_num_updates() > before:
-            if hook.run(_raw_model(self), self.optimizer, self.get_num_updates(), trainer=self):
+            last = getattr(getattr(self.cfg, "optimization", None), "max_update", 0) or None    # 0: no limit
+            if hook.run(_raw_model(self), self.optimizer, self.get_num_updates(), last_step=last, trainer=self):
                 log_placement_metrics(hook.policy)
         return out
 

@@ -163,7 +163,7 @@ def after_train_step(args, model, optimizer, iteration: int) -> None:
         if problem:
             raise NonFiniteRoutingError(problem)
     hooks = get_step_hooks(cfg, _moe_layer_count(args))
-    hooks.after_step(model, optimizer, iteration=iteration)
+    hooks.after_step(model, optimizer, iteration=iteration, last_step=getattr(args, "train_iters", None))
     log_interval = getattr(args, "log_interval", 0) or 0
     if log_interval > 0 and iteration % log_interval == 0:
         from megatron.training.global_vars import get_tensorboard_writer, get_wandb_writer

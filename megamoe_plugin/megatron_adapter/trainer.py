@@ -474,7 +474,7 @@ def train(run: Run, start: int) -> None:
         if ok:
             run.scheduler.step(increment=1)
             if run.hooks is not None:
-                run.hooks.after_step(run.model, run.optimizer, iteration)
+                run.hooks.after_step(run.model, run.optimizer, iteration, last_step=args.train_iters)
         log.step(iteration, loss, grad_norm)
         if args.eval_interval and iteration % args.eval_interval == 0:
             run.evaluate(valid_ds, iteration)

@@ -69,6 +69,7 @@ class StepContext:
     moe_layers: List[nn.Module]     # the model's MoE layers (core MoELayer or adapter layers), in order
     extra: Dict[str, Any] = field(default_factory=dict)   # adapter-specific (e.g. Megatron's process groups)
     steps: int = 1                  # optimizer steps since the policy last ran: the steps the layers' counts cover
+    last_step: Optional[int] = None     # the run's last optimizer step (train-iters, max-update), None if unknown
 
 
 class AfterStepHook:
@@ -94,14 +95,14 @@ class AfterStepHook:
     def active(self) -> bool:
         return self.policy is not None or bool(self.callbacks)
 
-    def run(self, model, optimizer, iteration: int, moe_layers: Optional[List[nn.Module]] = None, **extra) -> bool:
-        """Call after ``optimizer.step()`` on every rank. Returns True when something ran. Every call also gives
-        the policy the step's duration when it takes one (``observe_step``: the pay-off guard's measurements): the
-        time since the previous call started, so the policy's own time after a step (its collectives, its
-        decisions, the shadow copies it sends) counts in the step it slows down. A step beside which the MoE
-        layers ran forwards without gradient (the trainer's evaluation, between two steps) is observed as the
-        step before it: its time is not the training step's, and every rank must observe as many steps (the
-        guard's verdicts are collective; a rank without MoE layers sees no evaluation)."""
+    def run(self, model, optimizer, iteration: int, moe_layers: Optional[List[nn.Module]] = None,
+            last_step: Optional[int] = None, **extra) -> bool:
+        """Call after ``optimizer.step()`` on every rank; ``last_step``: the run's last optimizer step, when the
+        trainer knows it (no change is made after it, none is amortised past it). Returns True when something ran.
+        Every call gives the policy the step's duration (``observe_step``, the pay-off guard's measurements): the
+        time since the previous call started, so the policy's own time after a step counts in the step it slows
+        down. A step beside which the MoE layers ran forwards without gradient (an evaluation) is observed as the
+        step before it: every rank must observe as many steps (the guard's verdicts are collective)."""
         start = time.perf_counter()
         observe = getattr(self.policy, "observe_step", None)
         if moe_layers is None:
@@ -132,7 +133,7 @@ class AfterStepHook:
                     rt.close_step(keep)
         if not self.active or iteration % self.cfg.placement_every:
             return False
-        ctx = StepContext(model, optimizer, iteration, moe_layers, dict(extra), steps=self._steps)
+        ctx = StepContext(model, optimizer, iteration, moe_layers, dict(extra), steps=self._steps, last_step=last_step)
         self._steps = 0
         if self.policy is not None:
             self.policy(ctx)

@@ -96,14 +96,11 @@ class _Policy:
                 self.profile = get_profile(cfg.placement_profile)
             except ValueError as e:
                 raise ConfigError(f"{flag('placement_profile')}={cfg.placement_profile!r}: {e}") from None
-        self.calibrations = 0
         self._min_gain = MIN_PREDICTED_GAIN        # what the planners must predict at this run (_required_gain)
         self._cost_models: Dict[tuple, object] = {}
         self._planners: Dict[tuple, object] = {}
         self.metrics: Dict[str, float] = {}
-        self.runs = 0
-        self.total_moves = 0
-        self.total_bytes = 0
+        self.calibrations = self.runs = self.total_moves = self.total_bytes = 0
         self.total_move_wait = 0.0                    # seconds the slowest rank spent on moves, so far
         self._clock: Optional[float] = None
         self._last_iteration: Optional[int] = None
@@ -112,6 +109,7 @@ class _Policy:
         self._held_steps = 0                          # steps of runs skipped while held (their counts add up)
         self._idle_runs = 0                           # consecutive runs at the original placement with no change
         self._idle_skip = 0                           # runs still to skip after them (``_back_off``)
+        self._horizon = float(cfg.placement_every)    # steps a move's transfer is amortised over at this run
 
     def _cm(self, bank, num_experts: int, num_ranks: int):
         key = (bank.hidden_size, bank.ffn_hidden_size, num_experts, num_ranks, bank.w1.element_size())
@@ -186,6 +184,12 @@ class _Policy:
             self._checked_optimizer = True
         every = self.cfg.placement_every
         run_steps = max(int(getattr(ctx, "steps", 1)), 1)      # optimizer steps since the policy last ran
+        left = getattr(ctx, "last_step", None)
+        left = every if left is None else left - ctx.iteration     # steps a change (or an undo) can pay off in
+        if left <= 0:                                  # the run's last step: nothing after it to pay a move back
+            self._held_steps += run_steps
+            return
+        self._horizon = float(min(every, left))        # the planners amortise a move's transfer over these steps
         layers = [m for m in ctx.moe_layers if getattr(m.plan, "placement", None) is not None]
         steps = run_steps + self._held_steps
         gathered = []                                # the counts, when the verdict's drift needed them first
@@ -229,9 +233,8 @@ class _Policy:
             measured = (now - self._clock) / (ctx.iteration - self._last_iteration)
         # the slowest rank's: every decision taken from it must be the same on every rank
         guarded = self.guard.enabled
-        sync_wait = sum(m.plan.placement.take_sync_wait() for m in layers) / steps
-        shadow_wait = sum(m.plan.placement.take_shadow_wait() for m in layers) / steps
-        move_wait = sum(m.plan.placement.take_move_wait() for m in layers)
+        waits = torch.tensor([m.plan.placement.take_waits() for m in layers], dtype=torch.float64).reshape(-1, 3)
+        sync_wait, shadow_wait, move_wait = (waits.sum(0) / torch.tensor([steps, steps, 1])).tolist()
         measured, baseline, noise, sync_wait, shadow_wait, move_wait = job_max_many([
             measured, self.guard.baseline(every) if guarded else None,
             self.guard.step_noise() if guarded else None, sync_wait, shadow_wait, move_wait])
@@ -296,10 +299,9 @@ class _Policy:
         if not rows:
             self.metrics = {}
             return
-        bal, bal_next, exp_num, exp_den = [], [], 0.0, 0.0
+        bal, bal_next = [], []
         replicas = shadowed = moves = 0
-        predicted = 0.0
-        routed = kept = 0.0
+        exp_num = exp_den = predicted = routed = kept = 0.0
         for rt, counts, dropped, loads, pred, mv, _ in rows:
             total = float(loads.sum())
             bal.append(float(loads.max()) * rt.ep.size / total if total > 0 else 1.0)
@@ -353,11 +355,8 @@ class FlexMoEPolicy(_ReplicaPolicy):
     def decide(self, key, cm, rt, counts):
         if key not in self._planners:
             self._planners[key] = FlexMoEPlanner(cm, threshold=self.cfg.placement_threshold,
-                                                 max_moves=FLEXMOE_MAX_MOVES,
-                                                 horizon=float(self.cfg.placement_every),
-                                                 min_gain=MIN_PREDICTED_GAIN)
-        self._planners[key].min_gain = self._min_gain
-        self._planners[key].min_gain = self._min_gain
+                                                 max_moves=FLEXMOE_MAX_MOVES, min_gain=MIN_PREDICTED_GAIN)
+        self._planners[key].min_gain, self._planners[key].horizon = self._min_gain, self._horizon
         return self._planners[key].plan(rt.state, counts), None
 
 
@@ -381,7 +380,6 @@ class EPLBPolicy(_ReplicaPolicy):
 
     def decide(self, key, cm, rt, counts):
         if key not in self._planners:
-            self._planners[key] = EPLBPlanner(cm, horizon=float(self.cfg.placement_every),
-                                              min_gain=MIN_PREDICTED_GAIN)
-        self._planners[key].min_gain = self._min_gain
+            self._planners[key] = EPLBPlanner(cm, min_gain=MIN_PREDICTED_GAIN)
+        self._planners[key].min_gain, self._planners[key].horizon = self._min_gain, self._horizon
         return self._planners[key].plan(rt.state, counts), None

@@ -25,11 +25,12 @@ expert-data-parallel gradient reduction still pairs equal slots):
   with them (Adam moments, fp32 master weights: ``optim_state.param_state_tensors``) point-to-point src -> dst,
   between optimizer steps; Shrink (and the source of a Migrate) zeroes the freed slot, with no communication.
 
-Checkpoints: ``logical_rows`` / ``slot_experts`` let the adapters save experts by logical id whatever the
+Checkpoints: the state's ``logical_rows`` / ``slots_of`` let the adapters save experts by logical id whatever the
 placement and load them into any placement and expert-parallel size (checkpoint.py).
 """
 from __future__ import annotations
 
+import contextlib
 import time
 from collections import OrderedDict, deque
 from dataclasses import dataclass
@@ -105,10 +106,8 @@ class GroupCache:
                 break
             g = self._groups.pop(victim)
             if g is not None and g != dist.GroupMember.NON_GROUP_MEMBER:
-                try:
+                with contextlib.suppress(Exception):   # a backend without per-group teardown: dropping it is enough
                     dist.destroy_process_group(g)
-                except Exception:       # a backend without per-group teardown: dropping the handle is enough
-                    pass
         return len(union)
 
     def __len__(self):
@@ -275,9 +274,9 @@ class PlacementRuntime:
                  cache: Optional[GroupCache] = None, overlap_sync: bool = False):
         self.ep, self.edp_group = ep, edp_group
         self.overlap_sync = bool(overlap_sync)               # replicas' gradient all-reduces behind the backward
-        self.move_wait_s = 0.0                               # seconds spent on moves, so far
-        self.sync_wait_s = 0.0                               # seconds the backward's end waited for them, so far
-        self.shadow_reduce_wait_s = 0.0                      # and for the shadow copies' overlapped reduces
+        # seconds spent on moves, that the backward's end waited for the overlapped replica all-reduces, and for the
+        # shadow copies' overlapped reduces, since ``take_waits``
+        self.move_wait_s = self.sync_wait_s = self.shadow_reduce_wait_s = 0.0
         self.num_experts, self.slots_per_rank = int(num_experts), int(slots_per_rank)
         self.state = PlacementState(num_experts, ep.size, slots_per_rank, max_replicas_per_rank=1)
         self.shadowed: List[int] = []
@@ -286,18 +285,16 @@ class PlacementRuntime:
         self._step_in_progress: Optional[torch.Tensor] = None   # this rank's [E] counts of the current step
         self.recent: Deque[torch.Tensor] = deque()          # this rank's [E] counts of each of the last steps
         self.step_dropped: Optional[torch.Tensor] = None    # and its dropped assignments (capacity dispatch)
-        self.moves_done = 0
-        self.bytes_moved = 0
+        self.moves_done = self.bytes_moved = 0
         self.eval_forwards = 0                               # forwards without gradient (evaluation) so far
         self._rebuild()
 
     # --- derived tables ----------------------------------------------------------------------------------------
     def _rebuild(self) -> None:
         P, S, E, me = self.ep.size, self.slots_per_rank, self.num_experts, self.ep.rank
-        shadow = [e for e in self.shadowed]
-        self.width = S + len(shadow)                       # slots per rank in this step's dispatch
-        self.num_slots = P * self.width
-        W = self.width
+        shadow = self.shadowed
+        W = self.width = S + len(shadow)                   # slots per rank in this step's dispatch
+        self.num_slots = P * W
         slot_eq = torch.full((E, P), -1, dtype=torch.long)
         for q in range(P):
             for i, e in enumerate(self.state.slots_of(q)):
@@ -469,28 +466,21 @@ class PlacementRuntime:
 
     def take_step_counts(self) -> torch.Tensor:
         """This rank's [E] counts since the last call (zeros when there was no training forward)."""
-        c = self.step_counts
-        self.step_counts = None
-        if c is None:
-            return torch.zeros(self.num_experts, dtype=torch.long)
-        return c
+        c, self.step_counts = self.step_counts, None
+        return torch.zeros(self.num_experts, dtype=torch.long) if c is None else c
 
     def take_dropped(self) -> float:
         """This rank's dropped assignments since the last call."""
         d, self.step_dropped = self.step_dropped, None
         return 0.0 if d is None else float(d)
 
-    def take_sync_wait(self) -> float:
-        """Seconds the ends of the backward passes waited for the overlapped replica all-reduces since the last
-        call (0 without ``overlap_sync``)."""
-        w, self.sync_wait_s = self.sync_wait_s, 0.0
-        return w
-
-    def take_shadow_wait(self) -> float:
-        """Seconds the ends of this rank's backward passes waited for the shadows' overlapped gradient reduces
-        since the last call."""
-        w, self.shadow_reduce_wait_s = self.shadow_reduce_wait_s, 0.0
-        return w
+    def take_waits(self) -> Tuple[float, float, float]:
+        """Seconds since the last call that the ends of this rank's backward passes waited for the overlapped
+        replica all-reduces (0 without ``overlap_sync``) and for the shadows' gradient reduces, and that it blocked
+        on moves."""
+        waits = (self.sync_wait_s, self.shadow_reduce_wait_s, self.move_wait_s)
+        self.sync_wait_s = self.shadow_reduce_wait_s = self.move_wait_s = 0.0
+        return waits
 
     @torch.no_grad()
     def execute(self, moves: Sequence[Move], bank, optimizer=None) -> int:
@@ -529,11 +519,6 @@ class PlacementRuntime:
                     t.zero_()
         return sent
 
-    def take_move_wait(self) -> float:
-        """Seconds this rank spent blocking on moves since the last call."""
-        w, self.move_wait_s = self.move_wait_s, 0.0
-        return w
-
     @staticmethod
     def _slot_tensors(params, optimizer, slot: int) -> List[torch.Tensor]:
         out = []
@@ -543,19 +528,6 @@ class PlacementRuntime:
         return out
 
     # --- checkpoints by logical id -----------------------------------------------------------------------------
-    def slot_experts(self, rank: Optional[int] = None) -> List[Optional[int]]:
-        """Logical expert in each of ``rank``'s slots (default: this rank), None for a free slot."""
-        return self.state.slots_of(self.ep.rank if rank is None else rank)
-
-    def owner(self, expert: int) -> Tuple[int, int]:
-        """(ep rank, slot) of the replica that speaks for ``expert`` in checkpoints: its first one."""
-        return self.state.owner(expert)
-
-    def logical_rows(self) -> List[int]:
-        """For every logical expert, its owner's row in the [P * slots_per_rank] concatenation of all ranks'
-        banks (what an all-gather of the bank gives)."""
-        return self.state.logical_rows()
-
     def occupied_rows(self) -> int:
         """1 + this rank's highest slot that holds an expert: the bank rows past it are free (free_rows.py)."""
         slots = self.state.slots_of(self.ep.rank)
