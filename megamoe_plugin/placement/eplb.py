@@ -189,7 +189,7 @@ class EPLBPlanner:
 
     cost_model: a ``perfmodel.cost.CostModel`` (its network gives the nodes, its shape the bytes of a move).
     decay: weight of the history in the moving average of the counts (0: the last counts only).
-    horizon: steps over which a change's transfer time is amortised (the rerun interval).
+    horizon: steps over which a change's transfer time is amortised (the policy: its interval, or the steps left).
     min_gain: a new table is kept only when it predicts at least this fraction of the layer's step saved, net of
     its transfers (the policy uses 5%: smaller gains are within the cost model's error).
     ``last`` after a call: triggered, time_before / time_after (predicted s of a layer step), transfer_time,
