@@ -62,9 +62,10 @@ class FreeRows:
 
     def _narrow(self, optimizer, args, kwargs) -> None:
         narrowed = False
-        rows_of = {}                     # one lookup per layer, not one per parameter
-        for key, rt in self.entries.get(id(optimizer), ()):
-            n = rows_of[id(rt)] if id(rt) in rows_of else rows_of.setdefault(id(rt), rt.occupied_rows())
+        entries = self.entries.get(id(optimizer), ())
+        rows_of = {id(rt): rt.occupied_rows() for _, rt in entries}     # once per layer, not per parameter
+        for key, rt in entries:
+            n = rows_of[id(rt)]
             state = optimizer.state.get(key)
             if n >= key.shape[0] or key.grad is None or not state:
                 continue

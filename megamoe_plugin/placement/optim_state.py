@@ -23,6 +23,7 @@ fairseq's flat fp32 ``FP16Optimizer`` is refused by name: one expert's rows are 
 """
 from __future__ import annotations
 
+import itertools
 from typing import Iterator, List, Optional, Tuple
 
 import torch
@@ -64,14 +65,11 @@ def check_optimizer_supported(optimizer) -> None:
 
 def master_of(level, param) -> Optional[torch.Tensor]:
     """The fp32 master copy a mixed-precision wrapper at ``level`` keeps of ``param`` (None when it keeps none)."""
-    pairs = []
     mg, fg = getattr(level, "float16_groups", None), getattr(level, "fp32_from_float16_groups", None)  # Megatron
-    if mg and fg:
-        pairs += [pair for g16, g32 in zip(mg, fg) for pair in zip(g16, g32)]
     p16s, p32s = getattr(level, "fp16_params", None), getattr(level, "fp32_params", None)            # fairseq
-    if isinstance(p16s, list) and isinstance(p32s, list):
-        pairs += list(zip(p16s, p32s))
-    return next((p32 for p16, p32 in pairs if p16 is param), None)
+    pairs = itertools.chain((pair for g16, g32 in zip(mg or (), fg or ()) for pair in zip(g16, g32)),
+                            zip(p16s, p32s) if isinstance(p16s, list) and isinstance(p32s, list) else ())
+    return next((p32 for p16, p32 in pairs if p16 is param), None)         # stops at the first match
 
 
 def is_sharding(level) -> bool:

@@ -184,8 +184,8 @@ class _Policy:
             self._checked_optimizer = True
         every = self.cfg.placement_every
         run_steps = max(int(getattr(ctx, "steps", 1)), 1)      # optimizer steps since the policy last ran
-        left = getattr(ctx, "last_step", None)
-        left = every if left is None else left - ctx.iteration     # steps a change (or an undo) can pay off in
+        last = getattr(ctx, "last_step", None)
+        left = every if last is None else last - ctx.iteration     # steps a change (or an undo) can pay off in
         if left <= 0:                                  # the run's last step: nothing after it to pay a move back
             self._held_steps += run_steps
             return
@@ -233,8 +233,8 @@ class _Policy:
             measured = (now - self._clock) / (ctx.iteration - self._last_iteration)
         # the slowest rank's: every decision taken from it must be the same on every rank
         guarded = self.guard.enabled
-        waits = torch.tensor([m.plan.placement.take_waits() for m in layers], dtype=torch.float64).reshape(-1, 3)
-        sync_wait, shadow_wait, move_wait = (waits.sum(0) / torch.tensor([steps, steps, 1])).tolist()
+        waits = [m.plan.placement.take_waits() for m in layers]          # (sync, shadow, move) per layer
+        sync_wait, shadow_wait, move_wait = (sum(w[i] for w in waits) / d for i, d in enumerate((steps, steps, 1)))
         measured, baseline, noise, sync_wait, shadow_wait, move_wait = job_max_many([
             measured, self.guard.baseline(every) if guarded else None,
             self.guard.step_noise() if guarded else None, sync_wait, shadow_wait, move_wait])
