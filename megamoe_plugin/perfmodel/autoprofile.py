@@ -14,7 +14,8 @@ first run, every rank at the same point):
    broadcast + reduce of one expert (what shadowing costs, with the library's own algorithm), the fixed cost
    of a tiny MoE layer step, and what one replicated and one shadowed tiny expert add to it beyond the model's
    Eq. 9 / Eq. 8 (``measure_copy_overhead``: the count exchange, the collectives' calls, the ranks waiting for
-   each other at them); fits a ``HardwareProfile`` and caches it.
+   each other at them) with, for a replica, the AdamW step over one more expert's rows at the job's shape
+   (``measure_expert_update``); fits a ``HardwareProfile`` and caches it.
 
 The calibration is taken once per job; a cluster whose speed changed is measured again by removing its cached file
 (or with ``megamoe perf calibrate``).
@@ -31,7 +32,8 @@ import torch.distributed as dist
 
 from .profiles import HardwareProfile
 from ..topology import Topology
-from .calibrate import LayerCase, _fit_line, _timed, measure_alltoall, measure_copy_overhead, measure_gemm, measure_layer
+from .calibrate import (LayerCase, _fit_line, _timed, measure_alltoall, measure_copy_overhead, measure_expert_update,
+                        measure_gemm, measure_layer)
 from .cost import LayerShape
 
 CACHE_ENV = "MEGAMOE_PROFILE_CACHE"
@@ -167,7 +169,8 @@ def measure_profile(hidden: int, ffn: int, dtype: torch.dtype, device: torch.dev
         bcast_gbps=bcast_bw / 1e9, bcast_latency_us=bcast_lat * 1e6, layer_overhead_us=overhead * 1e6)
     # beyond what the equations already charge for the measured copies (a tiny expert on every rank)
     cm = profile.cost_model(LayerShape(64, 64, world, bytes_per_element=profile.bytes_per_element), world)
-    profile.replica_overhead_us = max(replica_s - cm.sync_time(cm.shape.expert_param_bytes, range(world)), 0.0) * 1e6
+    profile.replica_overhead_us = (max(replica_s - cm.sync_time(cm.shape.expert_param_bytes, range(world)), 0.0)
+                                   + measure_expert_update(hidden, ffn, group, device, dtype)) * 1e6
     profile.shadow_overhead_us = max(shadow_s - cm.shadow_sync_time([0]), 0.0) * 1e6
     return profile
 

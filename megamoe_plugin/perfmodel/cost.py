@@ -11,8 +11,9 @@ Owns the per-layer cost model shared by the planners and simulators:
   4 x all-to-all (2 forward, 2 backward);
 * replicated experts, paper 001 §3.4 Eq.9: ``T_Sync = size(e.gradients) / BPS(group)`` per replicated expert,
   BPS profiled per device group or derived from the network's ring all-reduce, plus a measured fixed cost per
-  replicated expert (``replica_overhead``: the count exchange its routing needs, the all-reduce's calls and the CPU
-  they take; what a calibrated job measures beyond Eq. 9, ``calibrate.measure_copy_overhead``); FlexMoE's flexible routing
+  replicated expert (``replica_overhead``: the count exchange its routing needs, the all-reduce's call, the ranks
+  waiting at it, and the optimizer's update of the copy's rows; what a calibrated job measures beyond Eq. 9,
+  ``calibrate.measure_copy_overhead`` + ``measure_expert_update``); FlexMoE's flexible routing
   (Algorithm 3: an expert's tokens split evenly over its replicas, each source filling its own replica first),
   all of it charged to the step (an upper bound where the all-reduces overlap the layers below);
 * shadowing, paper 003 §4.1 Eq.8: a shadowed expert's tokens stay on their source, its parameters are broadcast

@@ -52,7 +52,7 @@ class HardwareProfile:
     bcast_gbps: float = 0.0                # measured broadcast + reduce over all ranks, effective GB/s; 0 = modelled
     bcast_latency_us: float = 0.0          # ... and its fixed cost per call
     layer_overhead_us: float = 0.0         # measured fixed cost of one MoE layer step (gate, sort, count exchange)
-    replica_overhead_us: float = 0.0       # measured cost of one replicated expert per layer step beyond Eq. 9
+    replica_overhead_us: float = 0.0       # measured cost of one replicated expert per step beyond Eq. 9 (calls, update)
     shadow_overhead_us: float = 0.0        # measured cost of one shadowed expert per layer step beyond Eq. 8
 
     @property
