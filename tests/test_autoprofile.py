@@ -43,7 +43,6 @@ def _calibrate(rank, world, cache, out):
         with open(out, "w") as f:
             json.dump({"first": first, "second": second, "measured": measured, "predicted": predicted,
                        "same": prof.to_dict() == again.to_dict(), "name": prof.name,
-                       "replica_overhead_us": prof.replica_overhead_us, "shadow_overhead_us": prof.shadow_overhead_us,
                        "ranks_agree": all(p == everyone[0] for p in everyone)}, f)
 
 
@@ -53,8 +52,6 @@ def test_start_up_calibration_is_short_cached_and_predicts_the_layer(tmp_path, s
     run_distributed(_calibrate, 2, cache, str(tmp_path / "a.json"))
     a = json.loads((tmp_path / "a.json").read_text())
     assert a["first"] < 10 and a["second"] < 0.5 and a["same"] and a["ranks_agree"], a
-    # what a copy costs beyond its bytes: measured, a time of a tiny layer step's order (ms), never negative
-    assert 0.0 <= a["replica_overhead_us"] < 1e6 and 0.0 <= a["shadow_overhead_us"] < 1e6, a
     assert len(os.listdir(cache)) == 1 and a["name"].startswith("auto-")
     assert 0.25 < a["predicted"] / a["measured"] < 4.0, a              # order of magnitude (module docstring)
     run_distributed(_calibrate, 2, cache, str(tmp_path / "b.json"))      # a restarted job: the cached profile

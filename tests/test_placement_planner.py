@@ -206,17 +206,6 @@ def test_flexmoe_transfer_cost_exceeding_gain_does_nothing():
         Move("expand", 0, src=0, dst=1, src_slot=0, dst_slot=1, nbytes=896)]
 
 
-def test_flexmoe_replica_fixed_cost_exceeding_gain_does_nothing():
-    """The calibrated fixed cost of a replica (``CostModel.replica_overhead``) counts against a plan's gain."""
-    # test_flexmoe_expands_the_hot_expert's case: 370 s static, 159 s + 112 s of transfer expanded (gain 99 s)
-    cheap = FlexMoEPlanner(CostModel(Network.hierarchical(1, 2, "switch", 8.0, 8.0), 128.0,
-                                     LayerShape(4, 8, 2, bytes_per_element=2), replica_overhead=98.0), threshold=1.1)
-    assert len(cheap.plan(PlacementState(2, 2, 2), SKEWED)) == 1          # 159 + 98 + 112 = 369 < 370
-    dear = FlexMoEPlanner(CostModel(Network.hierarchical(1, 2, "switch", 8.0, 8.0), 128.0,
-                                    LayerShape(4, 8, 2, bytes_per_element=2), replica_overhead=100.0), threshold=1.1)
-    assert dear.plan(PlacementState(2, 2, 2), SKEWED) == []               # 159 + 100 + 112 = 371 > 370
-
-
 def test_flexmoe_shrink_then_expand_when_slots_are_full():
     cm = tiny_cost(num_experts=4)
     s = PlacementState(4, 2, 3)

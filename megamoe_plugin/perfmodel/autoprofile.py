@@ -7,15 +7,12 @@ first run, every rank at the same point):
 1. looks up a cached profile for this cluster's signature (world size, the launcher's topology and its bandwidths,
    each rank's CPU share, device, cores, torch version, the experts' hidden/FFN sizes and dtype) in ``~/.cache/megamoe/profiles`` (or
    ``$MEGAMOE_PROFILE_CACHE``); rank 0 decides and broadcasts, so every rank uses the same numbers;
-2. otherwise measures, in a few seconds on CPU: the expert FFN's forward+backward at the job's own
+2. otherwise measures, in well under a second on CPU: the expert FFN's forward+backward at the job's own
    hidden/FFN sizes with every rank at once (and rank 0 alone: ranks sharing one machine's cores become a shared
    compute pool; not where every rank is capped to a CPU share, ``fixed_speed_ranks``), the point-to-point
    alpha-beta of every level of the topology (``Topology.measure``), the latency of a small all-to-all, a
-   broadcast + reduce of one expert (what shadowing costs, with the library's own algorithm), the fixed cost
-   of a tiny MoE layer step, and what one replicated and one shadowed tiny expert add to it beyond the model's
-   Eq. 9 / Eq. 8 (``measure_copy_overhead``: the count exchange, the collectives' calls, the ranks waiting for
-   each other at them) with, for a replica, the AdamW step over one more expert's rows at the job's shape
-   (``measure_expert_update``); fits a ``HardwareProfile`` and caches it.
+   broadcast + reduce of one expert (what shadowing costs, with the library's own algorithm) and the fixed cost
+   of a tiny MoE layer step; fits a ``HardwareProfile`` and caches it.
 
 The calibration is taken once per job; a cluster whose speed changed is measured again by removing its cached file
 (or with ``megamoe perf calibrate``).
@@ -32,12 +29,10 @@ import torch.distributed as dist
 
 from .profiles import HardwareProfile
 from ..topology import Topology
-from .calibrate import (LayerCase, _fit_line, _timed, measure_alltoall, measure_copy_overhead, measure_expert_update,
-                        measure_gemm, measure_layer)
-from .cost import LayerShape
+from .calibrate import LayerCase, _fit_line, _timed, measure_alltoall, measure_gemm, measure_layer
 
 CACHE_ENV = "MEGAMOE_PROFILE_CACHE"
-METHOD = 3                    # the calibration's method: a profile cached by an older one is measured again
+METHOD = 2                    # the calibration's method: a profile cached by an older one is measured again
 
 
 def cache_dir() -> str:
@@ -102,8 +97,7 @@ def auto_profile(hidden: int, ffn: int, dtype: torch.dtype = torch.float32, log=
             f"{profile.gemm_tflops * 1e3:.1f} GFLOP/s per rank"
             + (f" (pool {profile.shared_gemm_tflops * 1e3:.1f})" if profile.shared_gemm_tflops else "")
             + f", links {profile.intra_bandwidth_gbps:.3g} / {profile.nic_bandwidth_gbps:.3g} GB/s "
-            f"(intra / inter-node), a replica / shadow {profile.replica_overhead_us / 1e3:.1f} / "
-            f"{profile.shadow_overhead_us / 1e3:.1f} ms per layer step beyond its transfer, cached in {path}")
+            f"(intra / inter-node), cached in {path}")
     return profile
 
 
@@ -152,27 +146,19 @@ def measure_profile(hidden: int, ffn: int, dtype: torch.dtype, device: torch.dev
     bcast_bw, bcast_lat = measure_broadcast(group, hidden * ffn * 2 * torch.tensor([], dtype=dtype).element_size(),
                                             device)
     overhead, _ = measure_layer(LayerCase(64, 64, world, 16, top_k=1), group, iters=2, device=device)
-    replica_s, shadow_s = measure_copy_overhead(group, device, dtype)
     local = topo.ranks_per_node()
     multi = topo.depth >= 2 and world > local
-    profile = HardwareProfile(
+    return HardwareProfile(
         name="auto", description=f"this job: {world} ranks ({max(world // local, 1)} node(s) x {local}) on "
                                  f"{device.type}, measured at start-up",
         source="measured at start-up by the placement policy: expert FFN fwd+bwd at the job's shape (all ranks at "
-               "once, and rank 0 alone), ping-pong per topology level, small all-to-all latency, a layer step with "
-               "experts replicated and shadowed",
+               "once, and rank 0 alone), ping-pong per topology level, small all-to-all latency",
         nodes=max(world // local, 1), gpus_per_node=local, gemm_tflops=flops / 1e12, intra="switch",
         intra_bandwidth_gbps=topo.bandwidth_gbps[0] if multi else a2a["bandwidth"] / 1e9,
         nic_bandwidth_gbps=topo.bandwidth_gbps[-1],
         intra_latency_us=topo.latency_us[0] if multi else a2a["alpha_s"] * 1e6, nic_latency_us=topo.latency_us[-1],
         bytes_per_element=torch.tensor([], dtype=dtype).element_size(), shared_gemm_tflops=shared / 1e12,
         bcast_gbps=bcast_bw / 1e9, bcast_latency_us=bcast_lat * 1e6, layer_overhead_us=overhead * 1e6)
-    # beyond what the equations already charge for the measured copies (a tiny expert on every rank)
-    cm = profile.cost_model(LayerShape(64, 64, world, bytes_per_element=profile.bytes_per_element), world)
-    profile.replica_overhead_us = (max(replica_s - cm.sync_time(cm.shape.expert_param_bytes, range(world)), 0.0)
-                                   + measure_expert_update(hidden, ffn, group, device, dtype)) * 1e6
-    profile.shadow_overhead_us = max(shadow_s - cm.shadow_sync_time([0]), 0.0) * 1e6
-    return profile
 
 
 def measure_broadcast(group, expert_bytes: int, device) -> tuple:

@@ -31,7 +31,6 @@ import torch.distributed as dist
 from ..config import MoEConfig
 from ..experts import ExpertBank
 from ..layer import MoELayer
-from ..placement.runtime import apply_placement
 from ..topology import Topology
 from .cost import LayerShape
 from .network import Network
@@ -166,66 +165,6 @@ def measure_layer(case: LayerCase, group=None, iters: int = 5, device=None, seed
     parts = [torch.empty_like(counts) for _ in range(P)]
     dist.all_gather(parts, counts, group=group)
     return t, torch.stack(parts).cpu()
-
-
-def measure_expert_update(hidden: int, ffn: int, group=None, device=None, dtype: torch.dtype = torch.float32,
-                          iters: int = 7, extra: int = 3) -> float:
-    """Seconds one more expert's rows add to an AdamW step (parameters, gradients and moments of one expert at the
-    job's shape): a replica is a real copy the optimizer steps. The slowest rank's median, a bank of ``1 + extra``
-    experts less a bank of one, over ``extra`` (the per-call cost cancels). Collective when a group is given."""
-    device = torch.device(device or "cpu")
-    times = []
-    for n in (1, 1 + extra):
-        bank = ExpertBank(n, hidden, ffn, "gelu", device=device, dtype=dtype)
-        for p in bank.parameters():
-            p.grad = torch.randn_like(p)
-        opt = torch.optim.AdamW(bank.parameters(), lr=1e-4)
-        times.append(_timed(opt.step, iters, 2, device, group))
-    return max(times[1] - times[0], 0.0) / extra
-
-
-def measure_copy_overhead(group=None, device=None, dtype: torch.dtype = torch.float32, hidden: int = 64,
-                          ffn: int = 64, tokens: int = 16, rounds: int = 5) -> tuple:
-    """(replica s, shadow s): what one expert replicated on every rank, and one expert shadowed, add to a real
-    MoELayer step (forward + backward, one expert per rank, ``tokens`` per rank, synchronous gradient sums): the
-    median over ``rounds`` interleaved rounds of (k experts replicated - none) / k and (k experts shadowed - none)
-    / k, k = min(ranks, 3). At the default tiny shape the experts' bytes cost next to nothing: what is left is the
-    fixed part (the count exchange a replica's routing needs, the collectives' calls, the ranks waiting for each
-    other at them). Collective over the group (moves the copied experts' rows there and back)."""
-    device = torch.device(device or "cpu")
-    P = dist.get_world_size(group)
-    k = min(P, 3) if P > 1 else 0
-    cfg = MoEConfig(num_experts=P, top_k=1, gate="naive", expert_parallel_size=P, world_size=P, aux_loss_coeff=0.0,
-                    placement="flexmoe", placement_spare_slots=max(k, 1), placement_overlap_sync=False)
-    torch.manual_seed(0)
-    layer = MoELayer(cfg, hidden, ffn, ep_group=group if group is not None else dist.group.WORLD, dtype=dtype,
-                     device=device)
-    x = torch.randn(tokens, hidden, generator=torch.Generator().manual_seed(dist.get_rank(group))) \
-        .to(device=device, dtype=dtype).requires_grad_(True)
-    rt, bank = layer.plan.placement, layer.experts_bank
-    copied = tuple(range(k))
-
-    def step():
-        layer(x).sum().backward()
-
-    def replicate(on: bool) -> None:
-        s = rt.state.copy()
-        moves = [s.expand(e, r) if on else s.shrink(e, r) for e in copied for r in range(P)
-                 if (not s.count(e, r)) == on and r != e]
-        apply_placement([(rt, moves, bank)])
-
-    base, replica, shadow = [], [], []
-    for _ in range(rounds):
-        base.append(_timed(step, 3, 1, device, group))
-        replicate(True)
-        replica.append(_timed(step, 3, 1, device, group))
-        replicate(False)
-        rt.set_shadowed(list(copied))
-        shadow.append(_timed(step, 3, 1, device, group))
-        rt.set_shadowed([])
-    b = statistics.median(base)
-    return (max(statistics.median(replica) - b, 0.0) / max(k, 1),
-            max(statistics.median(shadow) - b, 0.0) / max(k, 1))
 
 
 # --- fitting --------------------------------------------------------------------------------------------------------

@@ -10,15 +10,11 @@ Owns the per-layer cost model shared by the planners and simulators:
 * synchronous step, paper 003 §3.3/§4.1 Eq.7: 3 x forward computation (forward + 2 backward GEMMs) and
   4 x all-to-all (2 forward, 2 backward);
 * replicated experts, paper 001 §3.4 Eq.9: ``T_Sync = size(e.gradients) / BPS(group)`` per replicated expert,
-  BPS profiled per device group or derived from the network's ring all-reduce, plus a measured fixed cost per
-  replicated expert (``replica_overhead``: the count exchange its routing needs, the all-reduce's call, the ranks
-  waiting at it, and the optimizer's update of the copy's rows; what a calibrated job measures beyond Eq. 9,
-  ``calibrate.measure_copy_overhead`` + ``measure_expert_update``); FlexMoE's flexible routing
+  BPS profiled per device group or derived from the network's ring all-reduce; FlexMoE's flexible routing
   (Algorithm 3: an expert's tokens split evenly over its replicas, each source filling its own replica first),
   all of it charged to the step (an upper bound where the all-reduces overlap the layers below);
 * shadowing, paper 003 §4.1 Eq.8: a shadowed expert's tokens stay on their source, its parameters are broadcast
-  and its gradients reduced (``shadow_layer_time``), all of it charged to the step, plus a measured fixed cost per
-  shadowed expert (``shadow_overhead``, as for replicas);
+  and its gradients reduced (``shadow_layer_time``), all of it charged to the step;
 * expert moves, paper 001 §3.4 "Expert Adjustment Cost": size(model states) / Bw_{g,g'} (``move_time``), paid
   between two steps.
 
@@ -86,13 +82,10 @@ class CostModel:
     shared_gemm_flops: FLOP/s of a compute pool all ranks share (CPU ranks on one machine's cores: a rank runs
     faster while the others wait); 0 = every rank computes on its own device (GPUs).
     bcast: (bytes/s, latency s) of a broadcast or reduce over all ranks as measured on the job (the collective
-    library's own algorithm); None = the network's pipelined chain (shadowing's Eq. 8).
-    replica_overhead / shadow_overhead: seconds one replicated / shadowed expert adds to a layer step beyond
-    Eq. 9 / Eq. 8 (measured by the job's calibration; 0 = the equations alone)."""
+    library's own algorithm); None = the network's pipelined chain (shadowing's Eq. 8)."""
 
     def __init__(self, network: Network, gemm_flops, shape: LayerShape, tokens_per_second=None,
-                 sync_bps: Optional[dict] = None, shared_gemm_flops: float = 0.0, bcast: Optional[tuple] = None,
-                 replica_overhead: float = 0.0, shadow_overhead: float = 0.0):
+                 sync_bps: Optional[dict] = None, shared_gemm_flops: float = 0.0, bcast: Optional[tuple] = None):
         self.network = network
         self.shape = shape
         self.num_ranks = network.num_ranks
@@ -102,8 +95,6 @@ class CostModel:
         self.sync_bps = {tuple(sorted(int(r) for r in k)): float(v) for k, v in (sync_bps or {}).items()}
         self.shared_gemm_flops = float(shared_gemm_flops or 0.0)
         self.bcast = bcast          # (bytes/s, seconds) of one measured broadcast (or reduce) over all ranks
-        self.replica_overhead = float(replica_overhead or 0.0)
-        self.shadow_overhead = float(shadow_overhead or 0.0)
 
     def _per_rank(self, value, what) -> torch.Tensor:
         t = torch.as_tensor(value, dtype=torch.float64).reshape(-1)
@@ -208,13 +199,11 @@ class CostModel:
         return Breakdown(comp, a2a, sync, comp + a2a + sync)
 
     def replica_sync_time(self, multiplicity: torch.Tensor, sync_cache: Optional[dict] = None) -> float:
-        """Eq.9 (+ ``replica_overhead``) summed over the experts replicated on more than one rank of an [E, P]
-        multiplicity matrix."""
+        """Eq.9 summed over the experts replicated on more than one rank of an [E, P] multiplicity matrix."""
         m = torch.as_tensor(multiplicity)
+        sync = 0.0
         size = self.shape.expert_param_bytes
-        replicated = ((m > 0).sum(1) > 1).nonzero().reshape(-1).tolist()
-        sync = self.replica_overhead * len(replicated)
-        for e in replicated:
+        for e in ((m > 0).sum(1) > 1).nonzero().reshape(-1).tolist():
             group = tuple(m[e].nonzero().reshape(-1).tolist())
             if sync_cache is None:
                 sync += self.sync_time(size, group)
@@ -252,12 +241,11 @@ class CostModel:
     def shadow_sync_time(self, shadowed: Iterable[int], multiplicity: Optional[torch.Tensor] = None) -> float:
         """Eq. 8's communication for ``shadowed`` experts: per expert a
         broadcast of its parameters from its owner (its first rank in the [E, P] ``multiplicity``; None =
-        contiguous blocks) and a reduce of its gradients back, + ``shadow_overhead`` per expert."""
+        contiguous blocks) and a reduce of its gradients back."""
         m = self.placement_matrix(None, self.shape.num_experts) if multiplicity is None else multiplicity
         p, s = self.num_ranks, self.shape.expert_param_bytes
-        experts = sorted({int(e) for e in shadowed})
-        sync = self.shadow_overhead * len(experts)
-        for e in experts:
+        sync = 0.0
+        for e in sorted({int(e) for e in shadowed}):
             if self.bcast is not None:          # measured: the library's broadcast and reduce as they run
                 sync += 2.0 * (self.bcast[1] + s / self.bcast[0])
                 continue

@@ -52,8 +52,6 @@ class HardwareProfile:
     bcast_gbps: float = 0.0                # measured broadcast + reduce over all ranks, effective GB/s; 0 = modelled
     bcast_latency_us: float = 0.0          # ... and its fixed cost per call
     layer_overhead_us: float = 0.0         # measured fixed cost of one MoE layer step (gate, sort, count exchange)
-    replica_overhead_us: float = 0.0       # measured cost of one replicated expert per step beyond Eq. 9 (calls, update)
-    shadow_overhead_us: float = 0.0        # measured cost of one shadowed expert per layer step beyond Eq. 8
 
     @property
     def world_size(self) -> int:
@@ -98,8 +96,7 @@ class HardwareProfile:
         sync = {k: v for k, v in sync.items() if max(k) < net.num_ranks}
         return CostModel(net, self.gemm_tflops * 1e12, shape, tokens_per_second=self.tokens_per_second,
                          sync_bps=sync, shared_gemm_flops=self.shared_gemm_tflops * 1e12,
-                         bcast=(self.bcast_gbps * 1e9, self.bcast_latency_us * 1e-6) if self.bcast_gbps else None,
-                         replica_overhead=self.replica_overhead_us * 1e-6, shadow_overhead=self.shadow_overhead_us * 1e-6)
+                         bcast=(self.bcast_gbps * 1e9, self.bcast_latency_us * 1e-6) if self.bcast_gbps else None)
 
     # --- persistence -------------------------------------------------------------------------------------------
     def to_dict(self) -> dict:
