@@ -569,3 +569,71 @@ def test_no_change_after_the_last_step_and_moves_amortised_over_the_steps_left(m
         hook.run(layer, opt, it, last_step=10)
     assert planned == [(4, 4.0), (8, 2.0)], planned
     assert layer.plan.placement.step_counts is not None          # the steps after the last run were not planned
+
+
+def test_a_sure_loss_is_undone_after_three_steps_of_a_longer_window():
+    """A change judged on a 10-step window is looked at once after its first 3 steps: with steps that vary by 10%,
+    3 steps 30% slower are a loss beyond the margin (3%) plus one standard error of the two medians
+    (1.25 x 0.1 x sqrt(1/10 + 1/3) = 8.2%) and it is undone then; 3 steps 8% slower are within it, and 3 steps
+    10% faster are not a verdict either: the whole window decides both."""
+    def guard_with_change():
+        guard = PayoffGuard(warmup_steps=0, margin=0.03)
+        guard.job_noise = 0.1
+        _steps(guard, *[1.0] * 10)
+        rt, start = _changed_runtime()
+        guard.record(1.0, 0.0, 10, [rt], [start], [()])
+        return guard
+
+    lost = guard_with_change()
+    _steps(lost, 1.3, 1.3)
+    assert not lost.early_due() and lost.check(10) == WAIT                 # 2 steps: no look yet
+    _steps(lost, 1.3)
+    assert lost.early_due()
+    assert isinstance(lost.check(10), list) and lost.undone == 1 and lost.pending is None
+    assert not lost.early_due()
+
+    unsure = guard_with_change()
+    _steps(unsure, 1.08, 1.08, 1.08)
+    assert unsure.early_due() and unsure.check(10) == WAIT and unsure.pending is not None
+    _steps(unsure, 1.08)
+    assert not unsure.early_due()                                          # one look per change
+    _steps(unsure, *[0.95] * 6)                                            # the window: median 0.95
+    assert unsure.check(10) is None and unsure.kept == 1 and unsure.undone == 0
+
+    faster = guard_with_change()
+    _steps(faster, 0.9, 0.9, 0.9)
+    assert faster.check(10) == WAIT and faster.kept == 0 and faster.pending is not None
+
+    short = PayoffGuard(warmup_steps=0, margin=0.03)                      # a 3-step window has no early look
+    _steps(short, 1.0, 1.0, 1.0)
+    rt, start = _changed_runtime()
+    short.record(1.0, 0.0, 3, [rt], [start], [()])
+    _steps(short, 1.3, 1.3, 1.3)
+    assert not short.early_due()
+
+
+def test_the_hook_runs_the_policy_for_the_guards_early_look_between_intervals():
+    import torch
+
+    from megamoe_plugin import MoEConfig
+    from megamoe_plugin.placement import AfterStepHook
+
+    class Policy:
+        def __init__(self):
+            self.ran, self.due = [], set()
+
+        def early_due(self):
+            return self.it in self.due
+
+        def __call__(self, ctx):
+            self.ran.append(ctx.iteration)
+
+    cfg = MoEConfig(num_experts=4, top_k=1, placement="flexmoe", placement_interval=10)
+    policy = Policy()
+    policy.due = {13}
+    hook = AfterStepHook(cfg, policy=policy)
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
+    for it in range(1, 21):
+        policy.it = it
+        hook.run(torch.nn.Linear(1, 1), opt, it, moe_layers=[])
+    assert policy.ran == [10, 13, 20]

@@ -3,7 +3,9 @@ before it (the papers' planners trust their cost models; this keeps a model that
 
 - Each change is judged once its window of steps is complete (``check``; no new change meanwhile): the median step
   after it, plus the change's own time spread over the window, against the median step before it moved by the
-  routing's drift (``_drift_credit``). Slower by more than ``margin`` plus ``undo_sigmas`` standard errors: undone
+  routing's drift (``_drift_credit``); after its first ``min_steps`` steps of a longer window it is looked at once
+  (``early_due``), and undone then if it already lost beyond the margin by more than ``undo_sigmas`` standard
+  errors. Slower by more than ``margin`` plus ``undo_sigmas`` standard errors: undone
   (the previous slot table and shadow set restored) and the policy pauses ``backoff ** strikes`` runs; within it: kept;
   in between: judged again a window later, up to ``verdict_windows`` windows, then by the margin alone.
 - A change that moved no rows (only shadow sets changed) costs nothing to undo, so it is judged with margin 0, and
@@ -178,10 +180,11 @@ class PayoffGuard:
         if change is None:
             return self._watch(interval, drift)
         after = self.steps[change.start:]
-        if len(after) < change.window:
+        early = len(after) < change.window          # an early look (``early_due``): it may only undo a sure loss
+        if early and len(after) < self.settings.min_steps:
             return WAIT
         after = after[:self.settings.verdict_windows * change.window]
-        measured = job_max(statistics.median(after)) + change.cost_s / len(after)
+        measured = job_max(statistics.median(after)) + change.cost_s / max(len(after), change.window)
         before_s = change.before_s
         if drift is not None and change.before_model_s is not None:
             old_after = drift(change.snapshots)
@@ -195,6 +198,8 @@ class PayoffGuard:
         lost = measured > before_s * (1.0 + change.margin)
         within_noise = measured <= before_s * (1.0 + change.margin) + \
             self.settings.undo_sigmas * self._median_difference_error(change.before_s, change.window, len(after))
+        if early and not (lost and not within_noise):
+            return WAIT                               # not a sure loss yet: the whole window decides
         if not behind and lost and not final and within_noise:
             self.inconclusive += 1                    # within the noise: judge again on one more window
             return WAIT
@@ -212,6 +217,15 @@ class PayoffGuard:
             # not been right once on this job stops after ``max_returns`` such trials
             return self._return_to_origin(counted=behind or self.kept == 0)
         return self._undo(change.snapshots)
+
+    def early_due(self) -> bool:
+        """Whether a pending change has just run ``min_steps`` steps of a longer window: the policy runs then too,
+        and a change that already lost beyond the margin by more than ``undo_sigmas`` standard errors is undone
+        without waiting for the rest of its window (``check``). The same on every rank (every rank observes every
+        step)."""
+        change = self.pending
+        return (change is not None and self.settings.min_steps < change.window
+                and len(self.steps) - change.start == self.settings.min_steps)
 
     def _drift_credit(self, modelled: float, step_s: float) -> float:
         """The routing's drift as a verdict counts it: the cost model's difference of the old placement between two

@@ -131,7 +131,8 @@ class AfterStepHook:
                 rt = getattr(getattr(m, "plan", None), "placement", None)
                 if rt is not None:
                     rt.close_step(keep)
-        if not self.active or iteration % self.cfg.placement_every:
+        early = getattr(self.policy, "early_due", None)      # the pay-off guard's early look at a change
+        if not self.active or (iteration % self.cfg.placement_every and not (early is not None and early())):
             return False
         ctx = StepContext(model, optimizer, iteration, moe_layers, dict(extra), steps=self._steps, last_step=last_step)
         self._steps = 0

@@ -158,6 +158,11 @@ class _Policy:
                 else cm.layer_time(counts, state.placement()).total
         return total
 
+    def early_due(self) -> bool:
+        """Whether the hook must run the policy at this step although the interval is not over: the guard's early
+        look at a change (``PayoffGuard.early_due``)."""
+        return self.guard.enabled and self.guard.early_due()
+
     def observe_step(self, seconds: float) -> None:
         """One training step's duration, from the after-step hook (the pay-off guard's measurements)."""
         self.guard.observe(seconds)
