@@ -187,13 +187,10 @@ def nodes_from_bandwidth(bw: torch.Tensor) -> List[List[int]]:
 class EPLBPlanner:
     """EPLB (module docstring) between optimizer steps. ``plan(state, counts) -> moves``.
 
-    cost_model: a ``perfmodel.cost.CostModel`` (its network gives the nodes, its shape the bytes of a move).
-    decay: weight of the history in the moving average of the counts (0: the last counts only).
-    horizon: steps over which a change's transfer time is amortised (the policy: its interval, or the steps left).
-    min_gain: a new table is kept only when it predicts at least this fraction of the layer's step saved, net of
-    its transfers (the policy uses 5%: smaller gains are within the cost model's error).
-    ``last`` after a call: triggered, time_before / time_after (predicted s of a layer step), transfer_time,
-    moves."""
+    cost_model: a ``perfmodel.cost.CostModel`` (its network: the nodes; its shape: a move's bytes). decay: weight
+    of the history in the counts' moving average. horizon: steps a transfer is amortised over. min_gain: the least
+    fraction of the layer's step a new table must save, net of its transfers. ``last`` after a call: triggered,
+    time_before / time_after (predicted s), transfer_time, moves."""
 
     def __init__(self, cost_model, decay: float = 0.5, horizon: float = 10.0, nodes=None, min_gain: float = 0.0):
         if not 0.0 <= decay < 1.0:

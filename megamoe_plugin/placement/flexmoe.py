@@ -63,17 +63,12 @@ class StaticPlanner:
 
 
 class FlexMoEPlanner:
-    """FlexMoE's policy (module docstring).
-
-    cost_model: a ``perfmodel.cost.CostModel`` (its ``shape`` gives the expert size) or a factory
-    ``f(num_ranks) -> CostModel``. threshold: balance ratio (Eq. 6) above which Expand/Shrink are planned.
-    max_moves: at most this many Move records per call. horizon: steps over which transfers are amortised.
-    candidate_ranks: how many expansion targets (least loaded, best connected) and migrations are scored per step;
-    None = all. migrate: run the Migrate phase. lookahead: non-improving steps explored past a plateau.
-    bottleneck_experts: vExperts of the most loaded rank given candidates of their own (d.; 0 = the paper's a-c).
-    state_bytes: bytes moved per Expand/Migrate (default ``model_state_bytes(shape)``: parameters + Adam moments
-    + fp32 master weights for 16-bit parameters).
-
+    """FlexMoE's policy (module docstring). cost_model: a ``perfmodel.cost.CostModel`` or a factory ``f(num_ranks)
+    -> CostModel``. threshold: balance ratio (Eq. 6) above which Expand/Shrink are planned. max_moves: Move records
+    per call. horizon: steps transfers are amortised over. candidate_ranks: expansion targets (least loaded, best
+    connected) and migrations scored per step; None = all. migrate: run the Migrate phase. lookahead: non-improving
+    steps explored past a plateau. bottleneck_experts: vExperts of the most loaded rank given candidates of their
+    own (d.; 0 = the paper's a-c). state_bytes: bytes per Expand/Migrate (default ``model_state_bytes(shape)``).
     ``last`` (after ``plan``): triggered, balance_before/after, time_before/after (predicted s, without transfer),
     transfer_time (predicted s of the moves), moves."""
 

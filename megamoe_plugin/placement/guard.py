@@ -162,18 +162,13 @@ class PayoffGuard:
         return statistics.median(self.steps[-self.window(interval):]) if len(self.steps) >= self.settings.min_steps else None
 
     def check(self, interval: int, drift: Optional[Callable[[list], Optional[float]]] = None):
-        """At a policy run (collective while a change is pending or the placement is away from the original):
-        None (nothing to judge, or it paid), ``WAIT`` (a change's window is not complete, or its loss is within the
-        noise and it is judged again on the next window: make no new change), or
-        for every layer ``(runtime, moves, shadow set)`` that undo the last change or return to the original
-        placement (it lost).
-
-        ``drift``: called with the change's snapshots when its verdict is due (collective: every rank judges at the
-        same step), the model's step time of the OLD placement on the counts of the window after the change, or
-        None. The routing moves while a change is judged (early in training it concentrates on fewer experts, and
-        every placement's steps slow down), so the steps before the change are moved by the model's difference
-        between the old placement on the two windows' counts (``before_model_s`` at ``record``; the mean over the
-        windows a verdict spans). The watch calls it with the original placement's snapshots."""
+        """At a policy run (collective while a change is pending or the placement is away from the original): None
+        (nothing to judge, or it paid), ``WAIT`` (not judged yet, or a loss within the noise: make no new change),
+        or per layer ``(runtime, moves, shadow set)`` that undo the last change or return to the original (it lost).
+        ``drift(snapshots)`` (collective): the model's step of the OLD placement on the counts since the change, or
+        None; the steps before the change are moved by its difference from ``before_model_s`` (the routing moves
+        while a change is judged: early in training every placement's steps slow down). The watch passes the
+        original placement's snapshots."""
         if not self.enabled:
             return None
         change = self.pending
@@ -219,10 +214,8 @@ class PayoffGuard:
         return self._undo(change.snapshots)
 
     def early_due(self) -> bool:
-        """Whether a pending change has just run ``min_steps`` steps of a longer window: the policy runs then too,
-        and a change that already lost beyond the margin by more than ``undo_sigmas`` standard errors is undone
-        without waiting for the rest of its window (``check``). The same on every rank (every rank observes every
-        step)."""
+        """Whether a pending change has just run ``min_steps`` steps of a longer window (``check`` then undoes a sure
+        loss only). The same on every rank: every rank observes every step."""
         change = self.pending
         return (change is not None and self.settings.min_steps < change.window
                 and len(self.steps) - change.start == self.settings.min_steps)

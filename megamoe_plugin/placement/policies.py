@@ -159,8 +159,7 @@ class _Policy:
         return total
 
     def early_due(self) -> bool:
-        """Whether the hook must run the policy at this step although the interval is not over: the guard's early
-        look at a change (``PayoffGuard.early_due``)."""
+        """Whether the hook runs the policy between intervals: the guard's early look (``PayoffGuard.early_due``)."""
         return self.guard.enabled and self.guard.early_due()
 
     def observe_step(self, seconds: float) -> None:
