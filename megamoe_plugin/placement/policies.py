@@ -160,7 +160,7 @@ class _Policy:
 
     def early_due(self) -> bool:
         """Whether the hook runs the policy between intervals: the guard's early look (``PayoffGuard.early_due``)."""
-        return self.guard.enabled and self.guard.early_due()
+        return self.guard.early_due()                # no change is pending with the guard off
 
     def observe_step(self, seconds: float) -> None:
         """One training step's duration, from the after-step hook (the pay-off guard's measurements)."""
