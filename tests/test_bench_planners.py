@@ -78,3 +78,13 @@ def test_replica_runs_take_a_spare_slot_count_policy_runs_an_interval_and_others
                                               "eplb_guard0"]
     with pytest.raises(SystemExit, match="static_spare2: unknown"):
         planners.main(["--runs", "static,static_spare2", "--steps", "1"])
+
+
+def test_rounds_alternate_the_order_of_the_runs_so_static_is_not_always_first():
+    runs = ["static", "flexmoe", "shadow", "eplb", "idle"]
+    assert planners.round_order(runs, 0) == runs
+    assert planners.round_order(runs, 1) == ["idle", "eplb", "shadow", "flexmoe", "static"]
+    assert planners.round_order(runs, 2) == runs
+    positions = {r: sum(planners.round_order(runs, k).index(r) for k in range(2)) for r in runs}
+    assert set(positions.values()) == {len(runs) - 1}     # over a pair of rounds every run has the same mean place
+    assert runs == ["static", "flexmoe", "shadow", "eplb", "idle"]    # the caller's list is not reordered

@@ -25,7 +25,7 @@ how fast a planner follows the routing against how noisy its verdicts' windows g
 
 Every rank is a fixed-speed device by default (``--cpu-share auto``: its own CPU cgroup capped at 0.9 x cores /
 ranks), so a loaded rank cannot borrow the cores its idle peers leave; ``--batch-size`` sets the tokens per rank per
-step (x 64).
+step (x 64). Rounds alternate the order of the runs (``--runs`` as given, then reversed: ``round_order``).
 
 Per run: the measured step time (median of the log lines after the first; also the mean over the whole run, policy
 costs included: training seconds / steps; and the median of the second half: the steady state after the policies
@@ -82,6 +82,12 @@ def split_run(run: str):
         return None
     return base, (int(spare) if spare else None), (int(every) if every else None), \
         (int(guard) / 100 if guard else None)
+
+
+def round_order(runs: List[str], k: int) -> List[str]:
+    """The order round ``k`` (from 0) runs ``runs`` in: as given in even rounds, reversed in odd ones (A B B A), so a
+    drift of the machine's speed within a pair of rounds falls on every run alike, not on the first (static)."""
+    return list(runs) if k % 2 == 0 else list(reversed(runs))
 
 
 def run_order(run: str):
@@ -284,7 +290,7 @@ def main(argv: Optional[List[str]] = None) -> dict:
     p.add_argument("--aux-loss", default="0", help="the skewed model's balance-loss coefficient, or a comma list "
                    "(0: no balance loss, the most skewed; 0.01: milder skew)")
     p.add_argument("--rounds", type=int, default=1, help="rounds, each running every run once, interleaved "
-                   "(medians and spread reported)")
+                   "(in the order of --runs, reversed in every second round; medians and spread reported)")
     p.add_argument("--cpu-share", default="auto", help="each rank's CPU share in cores (megamoe cluster run "
                    "--cpu-share): auto, off, one value or one per rank")
     p.add_argument("--out", default="results/bench_planners")
@@ -328,10 +334,11 @@ def main(argv: Optional[List[str]] = None) -> dict:
                 per_run: Dict[str, list] = {r: [] for r in runs}
                 for k in range(args.rounds):
                     done = []
-                    for i, run in enumerate(runs):
+                    for run in round_order(runs, k):
                         print(f"[bench planners] {tag} round {k + 1} {run} ...", flush=True)
                         row = run_one(run, routing, args.steps, run_flags(run, args.capacity_factor), inter, intra,
-                                      os.path.join(args.out, tag, f"round{k}", run), 29900 + 2 * i, batch, shares)
+                                      os.path.join(args.out, tag, f"round{k}", run), 29900 + 2 * runs.index(run),
+                                      batch, shares)
                         done.append(row)
                         print(f"[bench planners] {tag} round {k + 1} {run}: step {row['step_seconds'] * 1e3:.0f} ms, "
                               f"moves {row['moves']:.0f}, valid loss {row['final_valid_loss']:.4f}", flush=True)
