@@ -11,7 +11,7 @@ import pytest
 from megamoe_plugin.results import main as results_main
 from megamoe_plugin.results.mdtable import number, read_tables, span
 from megamoe_plugin.results.pages import apply
-from megamoe_plugin.results.sections_cluster import dynamic_vs_static, over_static
+from megamoe_plugin.results.sections_cluster import dynamic_vs_static, never_lose, over_static
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PAGES = ["README.md", "BENCHMARKS.md", "docs/results.md", "docs/data/README.md", "docs/history/README.md"]
@@ -94,6 +94,13 @@ def test_table_reading_and_the_comparisons_by_hand():
     rows = [{"run": "static", "time_to_target_rounds": [100.0, 120.0]},
             {"run": "flexmoe", "time_to_target_rounds": [80.0, 150.0]}]
     assert over_static(rows)["flexmoe"] == [pytest.approx(1.25), pytest.approx(0.8)]
+    # the 512-token floor: met only where the run that changes nothing (idle) stays within the floor's 3% of 1.00x
+    assert never_lose({"static": [1.0, 1.0], "shadow": [0.98, 1.01], "idle": [0.99, 1.02]}) == (
+        "0.98-1.02x (runs x rounds)", True)
+    assert never_lose({"static": [1.0, 1.0], "shadow": [0.96, 1.01], "idle": [0.99, 1.02]})[1] is False
+    text, met = never_lose({"static": [1.0, 1.0], "shadow": [0.98, 1.05], "idle": [1.16, 1.20]})
+    assert met is False and text.endswith("not resolved: `idle`, which changes nothing, measured 1.16-1.20x")
+    assert never_lose({"static": [1.0, 1.0], "eplb": [0.98, 0.99]})[1] is True     # no idle run: the floor alone
     # static at the dynamic policy's drop rate (7%): between CF=4 (1%, 0.60 s) and CF=2 (13%, 0.48 s) -> 0.54 s
     summary = {"CF=1.0": {"dropped": [0.30], "step_seconds": [0.40]},
                "CF=2.0": {"dropped": [0.13], "step_seconds": [0.48]},
