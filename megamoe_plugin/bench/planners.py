@@ -52,7 +52,6 @@ from typing import Dict, List, Optional
 from ..cluster import netns
 from ..cluster.launcher import run_job
 from .gates import time_to
-from .planners_paired import median_static, pair_rows, paired_speedups, run_side_by_side
 
 RUNS = ("static", "capacity", "shadow", "shadow_overlap", "shadow_unguarded", "flexmoe",
         "flexmoe_overlap", "eplb", "idle")
@@ -252,9 +251,6 @@ def _summarise(rounds: List[dict]) -> dict:
     ttt = [r["time_to_target"] for r in rounds if r.get("time_to_target") is not None]
     row["time_to_target_rounds"] = [r.get("time_to_target") for r in rounds]
     row["time_to_target"] = statistics.median(ttt) if len(ttt) == len(rounds) else None
-    if all(r.get("static_beside") for r in rounds):          # --paired: the static that ran beside each round
-        row.pop("static_beside", None)
-        row["static_beside_rounds"] = [r["static_beside"] for r in rounds]
     return row
 
 
@@ -267,7 +263,6 @@ def _predicted_vs_measured(rows: List[dict]) -> None:
         r["measured_speedup"] = static["step_seconds"] / r["step_seconds"] if static else None
         r["mean_speedup"] = static["mean_step_seconds"] / r["mean_step_seconds"] if static else None
         r["late_speedup"] = static["late_step_seconds"] / r["late_step_seconds"] if static else None
-        r.update(paired_speedups(r))                      # --paired: over the static beside, round by round
         saving = r.get("predicted_saving_s")
         r["predicted_speedup"] = (static["step_seconds"] / max(static["step_seconds"] - saving, 1e-9)
                                   if static and saving is not None else None)
@@ -298,19 +293,12 @@ def main(argv: Optional[List[str]] = None) -> dict:
                    "(in the order of --runs, reversed in every second round; medians and spread reported)")
     p.add_argument("--cpu-share", default="auto", help="each rank's CPU share in cores (megamoe cluster run "
                    "--cpu-share): auto, off, one value or one per rank")
-    p.add_argument("--paired", action="store_true", help="train each run at the same time as its own static "
-                   "run, two emulated clusters side by side, every rank at half its CPU share and every link at "
-                   "half its bandwidth (the same compute-to-wire ratio at half the speed): a drift of the "
-                   "machine's speed falls on both alike (planners_paired.py)")
     p.add_argument("--out", default="results/bench_planners")
     p.add_argument("--report-only", action="store_true", help="run nothing: summarise the runs already in --out "
                    "(its <cell>/round<k>/<run> folders) with this version's columns")
     args = p.parse_args(argv)
     if args.report_only:
         return report_only(args.out)
-    if args.paired and (args.balanced or "static" not in args.runs.split(",")):
-        raise SystemExit("megamoe bench planners --paired: --runs must include static (each run is paired with "
-                         "its own), and --balanced is not paired")
     try:
         inters = [netns.parse_bandwidth(b) for b in args.inter_node_bandwidth.split(",")]
         batches = [int(b) for b in args.batch_size.split(",")]
@@ -332,12 +320,6 @@ def main(argv: Optional[List[str]] = None) -> dict:
     intra = netns.parse_bandwidth(args.intra_node_bandwidth) if args.intra_node_bandwidth else None
     from ..cluster import cpu_caps
     shares = cpu_caps.bench_shares(args.cpu_share, 4, "megamoe bench planners")
-    if args.paired:                              # two jobs at once: half the speed, half the wire, same ratio
-        if shares is None:
-            raise SystemExit("megamoe bench planners --paired: needs fixed-speed ranks (--cpu-share not off)")
-        shares = [s / 2 for s in shares]
-        inters = [b / 2 for b in inters]
-        intra = intra / 2 if intra else None
     print(f"[bench planners] {cpu_caps.describe(shares)}; {args.rounds} interleaved round(s) of {','.join(runs)} "
           "per cell", flush=True)
     cells = []
@@ -352,9 +334,7 @@ def main(argv: Optional[List[str]] = None) -> dict:
                 per_run: Dict[str, list] = {r: [] for r in runs}
                 for k in range(args.rounds):
                     done = []
-                    if args.paired:
-                        done = _paired_round(args, runs, k, routing, inter, intra, batch, shares, tag)
-                    for run in ([] if args.paired else round_order(runs, k)):
+                    for run in round_order(runs, k):
                         print(f"[bench planners] {tag} round {k + 1} {run} ...", flush=True)
                         row = run_one(run, routing, args.steps, run_flags(run, args.capacity_factor), inter, intra,
                                       os.path.join(args.out, tag, f"round{k}", run), 29900 + 2 * runs.index(run),
@@ -371,8 +351,7 @@ def main(argv: Optional[List[str]] = None) -> dict:
     # "cluster": the first cell's rows by routing, the shape `megamoe reproduce flexmoe --cluster-results` reads
     first = cells[0]
     results = {"setup": {"cpu_shares": shares, "rounds": args.rounds, "steps": args.steps,
-                         "capacity_factor": args.capacity_factor, "paired": args.paired,
-                         "batch_size": first["batch_size"],
+                         "capacity_factor": args.capacity_factor, "batch_size": first["batch_size"],
                          "tokens_per_rank": first["tokens_per_rank"],
                          "inter_node_bandwidth": first["inter_node_bandwidth"]},
                "cells": cells,
@@ -384,32 +363,6 @@ def main(argv: Optional[List[str]] = None) -> dict:
         json.dump(results, f, indent=1)
     print(format_results(results), flush=True)
     return results
-
-
-def _paired_round(args, runs: List[str], k: int, routing, inter, intra, batch: int, shares, tag: str) -> List[dict]:
-    """Round ``k`` of --paired: every run but static beside its own static (which starts first alternates from
-    round to round); the rows, the round's static as the median of its copies."""
-    statics, rows = [], []
-    for i, run in enumerate(round_order([r for r in runs if r != "static"], k)):
-        folder = os.path.join(args.out, tag, f"round{k}")
-
-        def job(name, port, out):
-            return lambda: run_one(name, routing, args.steps, run_flags(name, args.capacity_factor), inter, intra,
-                                   out, port, batch, shares)
-        print(f"[bench planners] {tag} round {k + 1} {run} beside static ...", flush=True)
-        static_job = job("static", 29900 + 4 * i, os.path.join(folder, f"static_beside_{run}"))
-        run_job_ = job(run, 29902 + 4 * i, os.path.join(folder, run))
-        first, second = (static_job, run_job_) if (k + i) % 2 == 0 else (run_job_, static_job)
-        a, b = run_side_by_side(first, second, os.path.join(folder, f"pair_{run}"))
-        static, row = (a, b) if first is static_job else (b, a)
-        print(f"[bench planners] {tag} round {k + 1} {run}: step {row['step_seconds'] * 1e3:.0f} ms beside "
-              f"static's {static['step_seconds'] * 1e3:.0f} ms, moves {row['moves']:.0f}", flush=True)
-        statics.append(static)
-        rows.append((static, row))
-    target = max(min(e["loss"] for e in r["evals"]) for pair in rows for r in pair)
-    for r in statics + [row for _, row in rows]:
-        r["target_loss"], r["time_to_target"] = target, time_to(r["evals"], target)
-    return [median_static(statics)] + [pair_rows(static, row) for static, row in rows]
 
 
 def _finish_cell(per_run: Dict[str, list], runs: List[str]) -> List[dict]:
@@ -436,11 +389,7 @@ def report_only(out: str) -> dict:
         rounds = sorted(d for d in os.listdir(os.path.join(out, tag)) if d.startswith("round"))
         for rnd in rounds:
             done = []
-            listed = os.listdir(os.path.join(out, tag, rnd))
-            if any(r.startswith("static_beside_") for r in listed):
-                raise SystemExit(f"megamoe bench planners --report-only: {out} holds --paired runs; their rows "
-                                 "are in its results.json")
-            names = sorted((r for r in listed if split_run(r)), key=run_order)
+            names = sorted((r for r in os.listdir(os.path.join(out, tag, rnd)) if split_run(r)), key=run_order)
             for run in names:
                 d = os.path.join(out, tag, rnd, run)
                 if os.path.exists(os.path.join(d, "metrics.json")):

@@ -69,14 +69,10 @@ NEVER_LOSE = 0.97
 
 
 def over_static(rows: List[dict]) -> Dict[str, List[Optional[float]]]:
-    """Per run, per round: static's time to target over the run's (> 1: the run is faster); with ``bench planners
-    --paired``, the static that ran beside the run in that round."""
+    """Per run, per round: static's time to target over the run's (> 1: the run is faster)."""
     static = next(r for r in rows if r["run"] == "static")["time_to_target_rounds"]
-    out = {}
-    for r in rows:
-        base = [b["time_to_target"] for b in r["static_beside_rounds"]] if r.get("static_beside_rounds") else static
-        out[r["run"]] = [s / t if s and t else None for s, t in zip(base, r["time_to_target_rounds"])]
-    return out
+    return {r["run"]: [s / t if s and t else None for s, t in zip(static, r["time_to_target_rounds"])]
+            for r in rows}
 
 
 def never_lose(over: Dict[str, List[Optional[float]]]) -> Tuple[str, bool]:
@@ -106,12 +102,8 @@ def _planner_table(cell: dict) -> str:
 
 
 def _cell_label(setup: dict) -> str:
-    label = (f"{setup['tokens_per_rank']:,} tokens per rank, {setup['inter_node_bandwidth'] / 1e6:.0f} MB/s between "
-             f"nodes, {setup['rounds']} interleaved rounds of {setup['steps']} steps")
-    if setup.get("paired"):
-        label += (f", each run beside its own static (`--paired`: two jobs at once, every rank at "
-                  f"{setup['cpu_shares'][0]:g} core)")
-    return label
+    return (f"{setup['tokens_per_rank']:,} tokens per rank, {setup['inter_node_bandwidth'] / 1e6:.0f} MB/s between "
+            f"nodes, {setup['rounds']} interleaved rounds of {setup['steps']} steps")
 
 
 @section("planners")
