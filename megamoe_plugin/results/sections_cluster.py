@@ -111,7 +111,7 @@ def planners(data: Data) -> Section:
     big, small = data.json("planners-2048"), data.json("planners-512")
     over_big, over_small = over_static(big["cells"][0]["rows"]), over_static(small["cells"][0]["rows"])
     flex = [v for v in over_big["flexmoe"] if v]
-    floor, floor_met = never_lose(over_small)
+    floor_result, floor_met = never_lose(over_small)
     body = "\n\n".join([
         f"**{_cell_label(big['setup'])}**, skewed routing, no balance loss. " + data.provenance("planners-2048"),
         _planner_table(big["cells"][0]), data.command("planners-2048"),
@@ -121,7 +121,7 @@ def planners(data: Data) -> Section:
         "![time to target over static per round](docs/figures/benchmarks/planners_over_static.png)"])
     heads = [Headline("planners: FlexMoE over static dropless, time to target (2,048 tokens per rank)",
                       span(flex) + " (rounds)", f">= {ratio(PLANNER_TARGET)}", min(flex) >= PLANNER_TARGET, "planners"),
-             Headline("planners: never lose where nothing pays (512 tokens per rank)", floor,
+             Headline("planners: never lose where nothing pays (512 tokens per rank)", floor_result,
                       f">= {ratio(NEVER_LOSE)} of static", floor_met, "planners")]
     return Section("planners", "`megamoe bench planners`: placement on the emulated cluster", body, heads,
                    ["planners-2048", "planners-512"])
