@@ -69,6 +69,9 @@ def test_replica_runs_take_a_spare_slot_count_policy_runs_an_interval_and_others
     assert planners.run_flags("shadow_every3", 1.25) == ["--moe-placement", "shadow", "--moe-placement-interval", "3"]
     assert planners.run_flags("shadow_guard0", 1.25) == ["--moe-placement", "shadow", "--moe-placement-guard", "0.0"]
     assert planners.run_flags("eplb_guard5", 1.25) == ["--moe-placement", "eplb", "--moe-placement-guard", "0.05"]
+    assert planners.run_flags("flexmoe_unguarded", 1.25) == ["--moe-placement", "flexmoe", "--moe-placement-guard", "-1"]
+    assert planners.run_flags("eplb_unguarded_spare2", 1.25) == [
+        "--moe-placement", "eplb", "--moe-placement-guard", "-1", "--moe-placement-spare-slots", "2"]
     for bad in ("static_spare2", "shadow_spare1", "flexmoe_spare0", "flexmoe_spare", "nothing", "static_every5",
                 "idle_every5", "flexmoe_every0", "flexmoe_every5_spare2", "flexmoe_plan3", "shadow_sync",
                 "static_guard0", "idle_guard0", "shadow_guard0_every5"):

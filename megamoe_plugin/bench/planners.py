@@ -12,8 +12,8 @@ A real-text MoE LM whose routing skews on its own (the embedded corpus, 16 exper
   (``--moe-placement-overlap-sync``);
   ``eplb``: DeepSeek's EPLB (one spare slot per rank, like FlexMoE); all with
   the default cost model (the start-up calibration of this cluster, ``--moe-placement-profile auto``);
-- ``shadow_unguarded``: shadowing with the pay-off guard off (``--moe-placement-guard -1``): what the guard's
-  verdicts cost or save;
+- ``shadow_unguarded``, ``flexmoe_unguarded``, ``eplb_unguarded``: the policy with the pay-off guard off
+  (``--moe-placement-guard -1``): what the guard's verdicts and its least resolvable gain cost or save;
 - ``idle``: FlexMoE's data path (placement runtime, one spare slot per rank, per-step counts) with the policy never
   run (interval beyond the run): what having placement on costs before it decides anything.
 
@@ -54,13 +54,13 @@ from ..cluster.launcher import run_job
 from .gates import time_to
 
 RUNS = ("static", "capacity", "shadow", "shadow_overlap", "shadow_unguarded", "flexmoe",
-        "flexmoe_overlap", "eplb", "idle")
-DIAGNOSTIC_RUNS = ("shadow_unguarded", "idle")          # run only when asked: they explain the others' numbers
+        "flexmoe_overlap", "flexmoe_unguarded", "eplb", "eplb_unguarded", "idle")
+DIAGNOSTIC_RUNS = ("shadow_unguarded", "flexmoe_unguarded", "eplb_unguarded", "idle")          # run only when asked: they explain the others' numbers
 # these also run as <run>_spare<N>: N spare slots per rank
-REPLICA_RUNS = ("flexmoe", "flexmoe_overlap", "eplb", "idle")
+REPLICA_RUNS = ("flexmoe", "flexmoe_overlap", "flexmoe_unguarded", "eplb", "eplb_unguarded", "idle")
 # these also run as <run>[_spare<N>][_every<K>]: the policy run every K steps (--moe-placement-interval)
 POLICY_RUNS = ("shadow", "shadow_overlap", "shadow_unguarded", "flexmoe", "flexmoe_overlap",
-               "eplb")
+               "flexmoe_unguarded", "eplb", "eplb_unguarded")
 SKEWED = ["--moe-gate", "switch", "--moe-top-k", "1", "--moe-aux-loss-coeff", "0"]
 BALANCED = ["--moe-gate", "gshard", "--moe-top-k", "2", "--moe-second-expert-policy", "all",
             "--moe-aux-loss-coeff", "0.01"]
@@ -110,7 +110,9 @@ def _base_flags(run: str, capacity_factor: float) -> List[str]:
             "shadow_unguarded": ["--moe-placement", "shadow", "--moe-placement-guard", "-1"],
             "flexmoe": ["--moe-placement", "flexmoe"],
             "flexmoe_overlap": ["--moe-placement", "flexmoe", "--moe-placement-overlap-sync"],
+            "flexmoe_unguarded": ["--moe-placement", "flexmoe", "--moe-placement-guard", "-1"],
             "eplb": ["--moe-placement", "eplb"],
+            "eplb_unguarded": ["--moe-placement", "eplb", "--moe-placement-guard", "-1"],
             "idle": ["--moe-placement", "flexmoe", "--moe-placement-interval", "1000000000"]}[run]
 
 
