@@ -74,7 +74,7 @@ def test_replica_runs_take_a_spare_slot_count_policy_runs_an_interval_and_others
         "--moe-placement", "eplb", "--moe-placement-guard", "-1", "--moe-placement-spare-slots", "2"]
     for bad in ("static_spare2", "shadow_spare1", "flexmoe_spare0", "flexmoe_spare", "nothing", "static_every5",
                 "idle_every5", "flexmoe_every0", "flexmoe_every5_spare2", "flexmoe_plan3", "shadow_sync",
-                "static_guard0", "idle_guard0", "shadow_guard0_every5"):
+                "static_guard0", "idle_guard0", "shadow_guard0_every5", "flexmoe_unguarded_guard3"):
         assert planners.split_run(bad) is None, bad
     assert sorted(["eplb", "flexmoe_spare2", "static", "flexmoe_spare2_every5", "flexmoe", "eplb_guard0"],
                   key=planners.run_order) == ["static", "flexmoe", "flexmoe_spare2", "flexmoe_spare2_every5", "eplb",

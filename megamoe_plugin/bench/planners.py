@@ -55,7 +55,8 @@ from .gates import time_to
 
 RUNS = ("static", "capacity", "shadow", "shadow_overlap", "shadow_unguarded", "flexmoe",
         "flexmoe_overlap", "flexmoe_unguarded", "eplb", "eplb_unguarded", "idle")
-DIAGNOSTIC_RUNS = ("shadow_unguarded", "flexmoe_unguarded", "eplb_unguarded", "idle")          # run only when asked: they explain the others' numbers
+# run only when asked: they explain the others' numbers
+DIAGNOSTIC_RUNS = ("shadow_unguarded", "flexmoe_unguarded", "eplb_unguarded", "idle")
 # these also run as <run>_spare<N>: N spare slots per rank
 REPLICA_RUNS = ("flexmoe", "flexmoe_overlap", "flexmoe_unguarded", "eplb", "eplb_unguarded", "idle")
 # these also run as <run>[_spare<N>][_every<K>]: the policy run every K steps (--moe-placement-interval)
@@ -73,11 +74,12 @@ def split_run(run: str):
     """(one of RUNS, spare slots per rank or None, policy interval or None, guard margin or None) of a run name:
     ``flexmoe_overlap_spare2_every5_guard0`` is flexmoe_overlap with two spare slots per rank (the placements with
     replicas only), its policy run every 5 steps and the pay-off guard's margin 0% (the placements with a policy
-    only); None for a name that is not a run."""
+    and the guard on only); None for a name that is not a run."""
     found = re.fullmatch(r"(.+?)(?:_spare(\d+))?(?:_every(\d+))?(?:_guard(\d+))?", run)
     base, spare, every, guard = found[1], found[2], found[3], found[4]
     if base not in RUNS or (spare is not None and (base not in REPLICA_RUNS or int(spare) < 1)) \
             or ((every is not None or guard is not None) and base not in POLICY_RUNS) \
+            or (guard is not None and base.endswith("_unguarded")) \
             or (every is not None and int(every) < 1):
         return None
     return base, (int(spare) if spare else None), (int(every) if every else None), \
