@@ -106,15 +106,14 @@ def run_flags(run: str, capacity_factor: float) -> List[str]:
 
 
 def _base_flags(run: str, capacity_factor: float) -> List[str]:
+    if run.endswith("_unguarded"):                     # the policy's run with the pay-off guard off
+        return _base_flags(run[:-len("_unguarded")], capacity_factor) + ["--moe-placement-guard", "-1"]
     return {"static": [], "capacity": ["--moe-dispatch", "capacity", "--moe-capacity-factor", str(capacity_factor)],
             "shadow": ["--moe-placement", "shadow"],
             "shadow_overlap": ["--moe-placement", "shadow", "--moe-placement-overlap-sync"],
-            "shadow_unguarded": ["--moe-placement", "shadow", "--moe-placement-guard", "-1"],
             "flexmoe": ["--moe-placement", "flexmoe"],
             "flexmoe_overlap": ["--moe-placement", "flexmoe", "--moe-placement-overlap-sync"],
-            "flexmoe_unguarded": ["--moe-placement", "flexmoe", "--moe-placement-guard", "-1"],
             "eplb": ["--moe-placement", "eplb"],
-            "eplb_unguarded": ["--moe-placement", "eplb", "--moe-placement-guard", "-1"],
             "idle": ["--moe-placement", "flexmoe", "--moe-placement-interval", "1000000000"]}[run]
 
 
