@@ -571,6 +571,40 @@ def test_no_change_after_the_last_step_and_moves_amortised_over_the_steps_left(m
     assert layer.plan.placement.step_counts is not None          # the steps after the last run were not planned
 
 
+def test_with_the_guard_on_a_change_needs_two_windows_before_the_last_step(monkeypatch):
+    """With the guard on, a change is made only while its verdict's window and one more fit before the run's last
+    step: one made later could not be undone before the end, nor pay back its moves. Interval 4 (window 4): with
+    the last step at 20 the policy plans at 8 and 12 (8 steps left) but not at 16 (4 left); at 4 the guard's
+    reference (6 steps) is still short. With the last step at 24 it plans at 16 too."""
+    import torch
+
+    from megamoe_plugin import MoEConfig
+    from megamoe_plugin.layer import MoELayer
+    from megamoe_plugin.placement import AfterStepHook, policies
+
+    monkeypatch.setattr(policies._Policy, "_back_off", lambda self, acted, layers, every: None)
+
+    def planned_steps(last_step):
+        cfg = MoEConfig(num_experts=4, top_k=1, gate="switch", placement="flexmoe", placement_profile="flexmoe-a100",
+                        placement_interval=4)
+        layer = MoELayer(cfg, 8, 16)
+        opt = torch.optim.Adam(layer.parameters(), lr=1e-3)
+        hook = AfterStepHook(cfg)
+        _without_warmup(hook)
+        planned = []
+        monkeypatch.setattr(type(hook.policy), "decide",
+                            lambda self, key, cm, rt, counts: planned.append(it) or ([], None))
+        for it in range(1, last_step + 1):
+            opt.zero_grad()
+            layer(torch.randn(32, 8)).sum().backward()
+            opt.step()
+            hook.run(layer, opt, it, last_step=last_step)
+        return planned
+
+    assert planned_steps(20) == [8, 12]
+    assert planned_steps(24) == [8, 12, 16]
+
+
 def test_a_sure_loss_is_undone_after_three_steps_of_a_longer_window():
     """A change judged on a 10-step window is looked at once after its first 3 steps: with steps that vary by 10%,
     3 steps 30% slower are a loss beyond the margin (3%) plus one standard error of the two medians

@@ -213,7 +213,9 @@ class _Policy:
 
         verdict = self.guard.check(every, drift=old_placement_time if self.profile is not None else None)
         undo = verdict if isinstance(verdict, list) else None
-        hold = verdict == WAIT or (undo is None and self.guard.paused())
+        # a change needs its verdict's window before the run's last step, and one more to pay: none later
+        too_late = self.guard.enabled and last is not None and left < 2 * self.guard.window(every)
+        hold = verdict == WAIT or (undo is None and (self.guard.paused() or too_late))
         if not hold and undo is None and self._idle_skip > 0:
             self._idle_skip -= 1
             hold = True
@@ -236,12 +238,10 @@ class _Policy:
         if self._clock is not None and self._last_iteration is not None and ctx.iteration > self._last_iteration:
             measured = (now - self._clock) / (ctx.iteration - self._last_iteration)
         # the slowest rank's: every decision taken from it must be the same on every rank
-        guarded = self.guard.enabled
         waits = [m.plan.placement.take_waits() for m in layers]          # (sync, shadow, move) per layer
         sync_wait, shadow_wait, move_wait = (sum(w[i] for w in waits) / d for i, d in enumerate((steps, steps, 1)))
         measured, baseline, noise, sync_wait, shadow_wait, move_wait = job_max_many([
-            measured, self.guard.baseline(every) if guarded else None,
-            self.guard.step_noise() if guarded else None, sync_wait, shadow_wait, move_wait])
+            measured, self.guard.baseline(every), self.guard.step_noise(), sync_wait, shadow_wait, move_wait])
         self.guard.job_noise = noise
         changes, rows, decisions = [], [], []
         before = [(m.plan.placement.state.copy(), tuple(m.plan.placement.shadowed)) for m in layers]
