@@ -3,9 +3,9 @@ before it (the papers' planners trust their cost models; this keeps a model that
 
 - Each change is judged once its window of steps is complete (``check``; no new change meanwhile): the median step
   after it, plus the change's own time spread over the window, against the median step before it moved by the
-  routing's drift (``_drift_credit``); a change from the original placement is looked at once after its first
-  ``min_steps`` steps of a longer window (``early_due``), and undone then if it already lost beyond the margin by
-  more than ``undo_sigmas`` standard errors. Slower by more than ``margin`` plus ``undo_sigmas`` standard errors: undone
+  routing's drift (``_drift_credit``); after its first ``min_steps`` steps of a longer window it is looked at once
+  (``early_due``), and undone then if it already lost beyond the margin by more than ``undo_sigmas`` standard
+  errors. Slower by more than ``margin`` plus ``undo_sigmas`` standard errors: undone
   (the previous slot table and shadow set restored) and the policy pauses ``backoff ** strikes`` runs; within it: kept;
   in between: judged again a window later, up to ``verdict_windows`` windows, then by the margin alone.
 - A change that moved no rows (only shadow sets changed) costs nothing to undo, so it is judged with margin 0, and
@@ -176,7 +176,7 @@ class PayoffGuard:
             return self._watch(interval, drift)
         after = self.steps[change.start:]
         early = len(after) < change.window          # an early look (``early_due``): it may only undo a sure loss
-        if early and (len(after) < self.settings.min_steps or not change.from_origin):
+        if early and len(after) < self.settings.min_steps:
             return WAIT
         after = after[:self.settings.verdict_windows * change.window]
         measured = job_max(statistics.median(after)) + change.cost_s / max(len(after), change.window)
@@ -214,11 +214,10 @@ class PayoffGuard:
         return self._undo(change.snapshots)
 
     def early_due(self) -> bool:
-        """Whether a pending change from the original placement has just run ``min_steps`` steps of a longer window
-        (``check`` then undoes a sure loss only); a later change has its whole window, as 3 steps vary with the data
-        by more than the steps' noise says (heavier routing comes in runs). The same on every rank."""
+        """Whether a pending change has just run ``min_steps`` steps of a longer window (``check`` then undoes a sure
+        loss only). The same on every rank: every rank observes every step."""
         change = self.pending
-        return (change is not None and change.from_origin and self.settings.min_steps < change.window
+        return (change is not None and self.settings.min_steps < change.window
                 and len(self.steps) - change.start == self.settings.min_steps)
 
     def _drift_credit(self, modelled: float, step_s: float) -> float:
