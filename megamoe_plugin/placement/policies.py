@@ -237,9 +237,9 @@ class _Policy:
         measured = None
         if self._clock is not None and self._last_iteration is not None and ctx.iteration > self._last_iteration:
             measured = (now - self._clock) / (ctx.iteration - self._last_iteration)
-        # the slowest rank's: every decision taken from it must be the same on every rank
         waits = [m.plan.placement.take_waits() for m in layers]          # (sync, shadow, move) per layer
         sync_wait, shadow_wait, move_wait = (sum(w[i] for w in waits) / d for i, d in enumerate((steps, steps, 1)))
+        # the slowest rank's: every decision taken from it must be the same on every rank
         measured, baseline, noise, sync_wait, shadow_wait, move_wait = job_max_many([
             measured, self.guard.baseline(every), self.guard.step_noise(), sync_wait, shadow_wait, move_wait])
         self.guard.job_noise = noise
