@@ -320,9 +320,11 @@ class PayoffGuard:
         that vary by the job's ``step_noise`` (a median's standard error is about 1.25 x the mean's)."""
         return 1.25 * (self.job_noise or 0.0) * step_s * (1.0 / n1 + 1.0 / n2) ** 0.5
 
-    def paused(self) -> bool:
+    def paused(self, interval: int = 0, steps_left: Optional[int] = None) -> bool:
         """Whether this run must not change the placement: after an undo (counts the run), before the reference
-        has ``min_reference`` steps, or for good once ``stopped``."""
+        has ``min_reference`` steps, for good once ``stopped``, or with fewer than two windows of ``interval`` left
+        before the run's last step (``steps_left``): a verdict comes a window after its change, so a later change
+        could neither be undone before the end nor pay its moves back."""
         if not self.enabled:
             return False
         if self.stopped or (self.at_origin and len(self.origin_steps) < self.settings.min_reference):
@@ -330,7 +332,7 @@ class PayoffGuard:
         if self.pause > 0:
             self.pause -= 1
             return True
-        return False
+        return steps_left is not None and steps_left < 2 * self.window(interval)
 
     def record(self, before_s: Optional[float], cost_s: float, interval: int, runtimes: Sequence[object],
                states: Sequence[PlacementState], shadows: Sequence[Tuple[int, ...]],

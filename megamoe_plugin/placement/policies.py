@@ -213,9 +213,7 @@ class _Policy:
 
         verdict = self.guard.check(every, drift=old_placement_time if self.profile is not None else None)
         undo = verdict if isinstance(verdict, list) else None
-        # a change needs its verdict's window before the run's last step, and one more to pay: none later
-        too_late = self.guard.enabled and last is not None and left < 2 * self.guard.window(every)
-        hold = verdict == WAIT or (undo is None and (self.guard.paused() or too_late))
+        hold = verdict == WAIT or (undo is None and self.guard.paused(every, None if last is None else left))
         if not hold and undo is None and self._idle_skip > 0:
             self._idle_skip -= 1
             hold = True
