@@ -197,11 +197,8 @@ class EPLBPlanner:
             raise ValueError(f"decay must be in [0, 1), got {decay}")
         if not 0.0 <= min_gain < 1.0:
             raise ValueError(f"min_gain must be in [0, 1), got {min_gain}")
-        self.min_gain = float(min_gain)
-        self.cm = cost_model
-        self.decay = float(decay)
-        self.horizon = float(horizon)
-        self.nodes = nodes
+        self.cm, self.decay, self.horizon, self.nodes, self.min_gain = \
+            cost_model, float(decay), float(horizon), nodes, float(min_gain)
         self.average: Optional[torch.Tensor] = None
         self.last: dict = {}
 

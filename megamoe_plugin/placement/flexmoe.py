@@ -83,21 +83,14 @@ class FlexMoEPlanner:
             raise ValueError(f"horizon must be > 0, got {horizon}")
         if candidate_ranks is not None and candidate_ranks < 1:
             raise ValueError(f"candidate_ranks must be >= 1 or None, got {candidate_ranks}")
-        self._cost = cost_model
-        self._cost_cache: dict = {}
-        self.threshold = float(threshold)
-        self.max_moves = int(max_moves)
-        self.horizon = float(horizon)
-        self.candidate_ranks = candidate_ranks
-        self.migrate = bool(migrate)
-        self.state_bytes = state_bytes
         if lookahead < 0:
             raise ValueError(f"lookahead must be >= 0, got {lookahead}")
-        self.lookahead = int(lookahead)
-        self.bottleneck_experts = int(bottleneck_experts)
         if not 0.0 <= min_gain < 1.0:
             raise ValueError(f"min_gain must be in [0, 1), got {min_gain}")
-        self.min_gain = float(min_gain)
+        self._cost, self._cost_cache = cost_model, {}
+        self.threshold, self.max_moves, self.horizon = float(threshold), int(max_moves), float(horizon)
+        self.candidate_ranks, self.migrate, self.state_bytes = candidate_ranks, bool(migrate), state_bytes
+        self.lookahead, self.bottleneck_experts, self.min_gain = int(lookahead), int(bottleneck_experts), float(min_gain)
         self._sync_cache: Dict[int, Dict[Tuple[int, ...], float]] = {}   # id(cost model) -> group -> Eq. 9
         self.last: dict = {}          # what the last plan() saw and predicted (for logging)
 

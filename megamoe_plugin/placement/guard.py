@@ -3,19 +3,18 @@ before it (the papers' planners trust their cost models; this keeps a model that
 
 - Each change is judged once its window of steps is complete (``check``; no new change meanwhile): the median step
   after it, plus the change's own time spread over the window, against the median step before it moved by the
-  routing's drift (``_drift_credit``); after its first ``min_steps`` steps of a longer window it is looked at once
-  (``early_due``), and undone then if it already lost beyond the margin by more than ``undo_sigmas`` standard
-  errors. Slower by more than ``margin`` plus ``undo_sigmas`` standard errors: undone
-  (the previous slot table and shadow set restored) and the policy pauses ``backoff ** strikes`` runs; within it: kept;
-  in between: judged again a window later, up to ``verdict_windows`` windows, then by the margin alone.
-- A change that moved no rows (only shadow sets changed) costs nothing to undo, so it is judged with margin 0, and
-  so is the watch of a placement reached by such changes alone: keeping one that does not measure faster buys
-  nothing and risks a loss.
+  routing's drift (``_drift_credit``). Slower by more than ``margin`` plus ``undo_sigmas`` standard errors: undone
+  (the previous slot table and shadow set restored), the policy paused ``backoff ** strikes`` runs; within the
+  margin: kept; in between: judged again a window later, up to ``verdict_windows`` windows, then by the margin
+  alone. After the first ``min_steps`` steps of a longer window, a sure loss is undone early (``early_due``).
+- A change that moved no rows (only shadow sets changed) costs nothing to undo: it is judged with margin 0, and so
+  is the watch of a placement reached by such changes alone (keeping one that is not faster buys nothing).
 - Away from the original placement, a watch compares the steps since it left with the ``reference`` (the median
   of the last ``reference_steps`` steps run there) at 2, 4, 8, ... windows: slower by more than the margin (and,
   before ``sure_windows`` windows, the noise) returns to the original placement; after ``max_returns`` returns the
-  policy stops for the run. Before any change was kept, an undone change made from the original placement counts
-  as a return too: a policy whose first ``max_returns`` trials all lost stops (the model is wrong on this job).
+  policy stops for the run. Before any change was kept, an undone trial from the original placement counts as a
+  return too: the model is wrong on this job. Once a change that moved rows was kept, it is right (``trusted``):
+  until the next return, later changes are judged by the watch alone and need only the planners' least gain.
 - ``step_noise``: a step's relative spread from one step to the next at the original placement (the verdicts'
   standard errors); ``resolvable_gain``: the least saving a verdict tells from it (the planners must predict it).
 
@@ -102,6 +101,7 @@ class _Change:
     before_model_s: Optional[float] = None            # the model's step of the old placement on the counts before
     old_after_s: List[float] = field(default_factory=list)   # the model's step of the old placement, per window after
     margin: float = 0.0                               # the loss it may cost and still be kept (fraction of a step)
+    moved: bool = True                                # it moved rows (else only shadow sets changed)
 
 
 class PayoffGuard:
@@ -131,6 +131,7 @@ class PayoffGuard:
         self.last_drift_s = 0.0                       # how far the last verdict moved the steps before (s)
         self.inconclusive = 0                         # verdicts and watches that found a loss within the noise
         self.away_free = False                        # every change since leaving the start moved no rows
+        self.trusted = False                          # a change that moved rows paid since leaving the start
 
     @property
     def enabled(self) -> bool:
@@ -202,6 +203,7 @@ class PayoffGuard:
         self.last_drift_s = before_s - change.before_s
         if not behind and not lost:
             self.kept += 1
+            self.trusted = self.trusted or change.moved
             self.strikes = 0
             return None
         self.undone += 1
@@ -282,6 +284,7 @@ class PayoffGuard:
     def _restart_watch(self, at_origin: bool) -> None:
         """A new placement from here on: its steps alone feed the watch, at 2, 4, ... windows from now."""
         self.at_origin, self.away, self.away_steps, self._next_watch = at_origin, [], 0, 0
+        self.trusted = self.trusted and not at_origin
 
     def _undo(self, snapshots):
         undo = []
@@ -310,8 +313,9 @@ class PayoffGuard:
         """The smallest fraction of a step a change must save for the guard to tell it from the steps' noise: the
         first verdict against the start compares the median of two windows with the reference, which differ by
         noise alone with a standard deviation of about sqrt(2) x 1.25 x noise / sqrt(2 x window) (1.25: a median's
-        standard error over a mean's); ``resolve_sigmas`` of those. 0 with the guard off or no estimate yet."""
-        if not self.enabled or noise is None:
+        standard error over a mean's); ``resolve_sigmas`` of those. 0 with the guard off, no estimate yet, or
+        ``trusted`` (the watch judges)."""
+        if not self.enabled or noise is None or self.trusted:
             return 0.0
         return self.settings.resolve_sigmas * 1.25 * (2.0 ** 0.5) * noise / (2 * self.window(interval)) ** 0.5
 
@@ -355,5 +359,7 @@ class PayoffGuard:
             self.reference_model_s = before_model_s
             self._restart_watch(at_origin=False)
         self.away_free = free_undo and (from_origin or self.away_free)
+        if self.trusted and not from_origin:
+            return                                    # the watch judges it, with every change since the start
         self.pending = _Change(before_s, cost_s, len(self.steps), self.window(interval), snapshots, from_origin,
-                               before_model_s, margin=0.0 if free_undo else self.settings.margin)
+                               before_model_s, margin=0.0 if free_undo else self.settings.margin, moved=not free_undo)
