@@ -345,7 +345,8 @@ class PayoffGuard:
         ``before_s``: the job's median step before the change (``job_max(baseline(interval))``); ``cost_s``: this
         rank's time for the run that made it (the verdict adds the slowest rank's); ``before_model_s``: the model's
         step of the old placement on the counts before the change (``check``'s ``drift`` reference; job-wide);
-        ``free_undo``: the change moved no rows, so it is judged with margin 0. Collective."""
+        ``free_undo``: the change moved no rows, so it is judged with margin 0. While ``trusted`` nothing is kept:
+        the watch judges the change with every step since the start (its own time not charged). Collective."""
         if before_s is None or not self.enabled:
             return
         cost_s = job_max(cost_s)
@@ -359,7 +360,7 @@ class PayoffGuard:
             self.reference_model_s = before_model_s
             self._restart_watch(at_origin=False)
         self.away_free = free_undo and (from_origin or self.away_free)
-        if self.trusted and not from_origin:
-            return                                    # the watch judges it, with every change since the start
+        if self.trusted:                              # (never at the original placement)
+            return
         self.pending = _Change(before_s, cost_s, len(self.steps), self.window(interval), snapshots, from_origin,
                                before_model_s, margin=0.0 if free_undo else self.settings.margin, moved=not free_undo)
