@@ -7,6 +7,9 @@ logits and the probabilities are a softmax over the k selected logits, i.e. the 
 softmax restricted to the top-k experts and renormalised to sum 1.
 """
 
+import os
+import subprocess
+import sys
 import warnings
 
 import pytest
@@ -155,3 +158,20 @@ def test_cpu_rng_tracker_and_masks():
     mask = get_default_causal_mask(4)
     assert mask.device.type == "cpu"
     assert torch.equal(mask, torch.triu(torch.ones(4, 4, dtype=torch.bool), diagonal=1))
+
+
+def test_single_process_group_leaves_no_file_behind(tmp_path):
+    """The one-process group the peer layer (and the example trainer) create needs no rendezvous file: nothing is
+    left in the temporary directory even by a process that ends without tearing the group down (killed, or
+    os._exit)."""
+    code = ("import torch.distributed as dist\n"
+            "from megamoe_plugin.megatron_adapter.peer import ensure_megatron_parallel_state\n"
+            "ensure_megatron_parallel_state()\n"
+            "assert dist.get_world_size() == 1\n"
+            "import os; os._exit(0)\n")
+    env = dict(os.environ, TMPDIR=str(tmp_path))
+    for var in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(var, None)
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert sorted(p.name for p in tmp_path.iterdir()) == []

@@ -29,8 +29,6 @@ machine without CUDA.
 
 from __future__ import annotations
 
-import os
-import tempfile
 from typing import Callable, Optional, Union
 
 import torch
@@ -60,7 +58,7 @@ def ensure_megatron_parallel_state() -> None:
     """Make sure torch.distributed and megatron's parallel_state are initialised.
 
     * No default process group: create a single-process group (world_size=1, rank=0;
-      nccl with CUDA, gloo without) through a fresh ``file://`` rendezvous file (no port to collide with).
+      nccl with CUDA, gloo without) over an in-memory store (no port to collide with, no file left behind).
     * An existing default group is reused as it is (whatever its backend/world size).
     * parallel_state not initialised: ``initialize_model_parallel(1, 1,
       expert_model_parallel_size=1)``; if it is initialised already it is reused, but it
@@ -72,13 +70,9 @@ def ensure_megatron_parallel_state() -> None:
     if not dist.is_available():
         raise RuntimeError("torch.distributed is not available in this torch build")
     if not dist.is_initialized():
-        fd, path = tempfile.mkstemp(prefix="megamoe_pg_")
-        os.close(fd)  # FileStore wants an empty (or absent) file
         # nccl on a GPU: megatron-core's MoE code may reduce CUDA tensors over the (size-1) groups
         backend = "nccl" if torch.cuda.is_available() else "gloo"
-        dist.init_process_group(
-            backend=backend, init_method=f"file://{path}", world_size=1, rank=0
-        )
+        dist.init_process_group(backend=backend, store=dist.HashStore(), world_size=1, rank=0)
 
     from megatron.core import parallel_state as ps
 

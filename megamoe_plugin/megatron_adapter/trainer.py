@@ -72,10 +72,8 @@ def initialize(args):
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         dist.init_process_group(backend=backend)
     else:
-        import tempfile
-        fd, path = tempfile.mkstemp(prefix="megamoe_pg_")
-        os.close(fd)
-        dist.init_process_group(backend=backend, init_method=f"file://{path}", world_size=1, rank=0)
+        # one process: an in-memory store (no port to collide with, no file left behind)
+        dist.init_process_group(backend=backend, store=dist.HashStore(), world_size=1, rank=0)
     ps.initialize_model_parallel(
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
