@@ -91,12 +91,14 @@ def test_trainer_two_processes_loss_falls_and_hook_runs(layout, cache, tmp_path)
     (["--tensor-model-parallel-size", "2", "--sequence-parallel", "--expert-tensor-parallel-size", "1"], 5e-4),
 ], ids=["EP2-exact", "TP2-SP"])
 def test_checkpoint_resume_next_steps_match(layout, tol, cache, tmp_path):
+    """A run saves at iteration 2 and goes on to 4; resumed from iteration 2's checkpoint, a second run's
+    iterations 3 and 4 are the first run's (so saving perturbed nothing either)."""
     layout = [*layout, "--train-iters", "4", "--moe-input-jitter-eps", "0.01"]
-    full, _ = run(2, layout, cache)
-    ck = str(tmp_path / "ck")
-    first, _ = run(2, [*layout, "--save", ck, "--save-interval", "2", "--exit-interval", "2"], cache)
-    assert sorted(first) == [1, 2] and first[2] == full[2]
-    resumed, out = run(2, [*layout, "--load", ck], cache)
+    ck = tmp_path / "ck"
+    full, _ = run(2, [*layout, "--save", str(ck), "--save-interval", "2"], cache)
+    assert sorted(full) == [1, 2, 3, 4] and (ck / "iter_0000002").is_dir()
+    (ck / "latest_checkpointed_iteration.txt").write_text("2")     # resume from iteration 2, not the last save
+    resumed, out = run(2, [*layout, "--load", str(ck)], cache)
     assert "loaded checkpoint" in out and sorted(resumed) == [3, 4], out[-3000:]
     for it in (3, 4):
         assert abs(resumed[it] - full[it]) <= tol, (resumed, full)
@@ -130,17 +132,16 @@ def test_bf16_trains_like_fp32(cache):
 def test_exit_interval_saves_and_missing_checkpoint_is_loud(cache, tmp_path):
     layout = ["--train-iters", "4", "--moe-plugin-second-expert-policy", "all"]
     ck = str(tmp_path / "ck")
-    first, out = run(1, [*layout, "--save", ck, "--exit-interval", "2"], cache)      # no --save-interval
+    # the relaunch idiom (--save and --load the same empty folder): starts afresh and says so; no --save-interval
+    first, out = run(1, [*layout, "--save", ck, "--load", ck, "--exit-interval", "2"], cache)
     assert sorted(first) == [1, 2] and "saved checkpoint at iteration 2" in out, out[-2000:]
+    assert "WARNING: --load" in out and "no checkpoint there" in out, out[-2000:]
     resumed, out = run(1, [*layout, "--load", ck], cache)
     assert "loaded checkpoint" in out and sorted(resumed) == [3, 4], out[-2000:]
-    # the relaunch idiom (--save and --load the same empty folder): starts afresh, and says so
-    fresh = str(tmp_path / "fresh")
-    losses, out = run(1, [*layout, "--save", fresh, "--load", fresh], cache)
-    assert sorted(losses) == [1, 2, 3, 4] and "WARNING: --load" in out and "no checkpoint there" in out, out[-2000:]
     # a --load that names another folder, or --exit-on-missing-checkpoint: an error, nothing trained
+    fresh = str(tmp_path / "fresh")
     for extra in (["--load", str(tmp_path / "typo")],
-                  ["--save", fresh + "2", "--load", fresh + "2", "--exit-on-missing-checkpoint"]):
+                  ["--save", fresh, "--load", fresh, "--exit-on-missing-checkpoint"]):
         p = _run_raw(1, [*layout, *extra], cache)
         assert p.returncode != 0 and "no checkpoint there" in p.stderr and "iteration" not in p.stdout, p.stderr[-2000:]
 
