@@ -105,17 +105,19 @@ def test_megatron_gate_sync_modes_and_checkpoint(tmp_path):
     cache = ["--data-cache-path", str(tmp_path / "cache")]
     _megatron(tmp_path / "all", *cache, "--train-iters", "4")
     assert all(g and o for g, o in _gate_vs_others(tmp_path / "all"))
-    _megatron(tmp_path / "local", *cache, "--train-iters", "4", "--moe-plugin-gate-sync", "local")
+    ck = tmp_path / "ck"
+    _megatron(tmp_path / "local", *cache, "--train-iters", "4", "--moe-plugin-gate-sync", "local", "--save", str(ck),
+              "--save-interval", "2")
     assert [g for g, _ in _gate_vs_others(tmp_path / "local")] == [False] * 4
     assert all(o for _, o in _gate_vs_others(tmp_path / "local"))
     _megatron(tmp_path / "avg", *cache, "--train-iters", "4", "--moe-plugin-gate-sync", "average:2")
     assert [g for g, _ in _gate_vs_others(tmp_path / "avg")] == [False, True, False, True]
-    # the checkpoint keeps each rank's gate: resumed == uninterrupted on both ranks
-    ck = str(tmp_path / "ck")
-    _megatron(tmp_path / "first", *cache, "--train-iters", "4", "--moe-plugin-gate-sync", "local", "--save", ck,
-              "--exit-interval", "2")
-    _megatron(tmp_path / "resumed", *cache, "--train-iters", "4", "--moe-plugin-gate-sync", "local", "--load", ck)
+    # the checkpoint of iteration 2 keeps each rank's gate: resumed == uninterrupted on both ranks
+    (ck / "latest_checkpointed_iteration.txt").write_text("2")
+    _megatron(tmp_path / "resumed", *cache, "--train-iters", "4", "--moe-plugin-gate-sync", "local", "--load",
+              str(ck))
     for rank in range(2):
+        assert [r["iteration"] for r in _records(tmp_path / "resumed", rank)] == [3, 4]
         full = {r["iteration"]: r["param_norms"] for r in _records(tmp_path / "local", rank)}
         for r in _records(tmp_path / "resumed", rank):
             for n, v in r["param_norms"].items():
