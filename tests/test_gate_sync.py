@@ -15,6 +15,7 @@ import torch
 from conftest import run_distributed
 from megamoe_plugin import train
 from megamoe_plugin.gate_sync import gate_params
+from megamoe_plugin.megatron_adapter.checkpointing import TRACKER
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HELPERS = os.path.join(REPO, "tests", "helpers")
@@ -113,7 +114,7 @@ def test_megatron_gate_sync_modes_and_checkpoint(tmp_path):
     _megatron(tmp_path / "avg", *cache, "--train-iters", "4", "--moe-plugin-gate-sync", "average:2")
     assert [g for g, _ in _gate_vs_others(tmp_path / "avg")] == [False, True, False, True]
     # the checkpoint of iteration 2 keeps each rank's gate: resumed == uninterrupted on both ranks
-    (ck / "latest_checkpointed_iteration.txt").write_text("2")
+    (ck / TRACKER).write_text("2")
     _megatron(tmp_path / "resumed", *cache, "--train-iters", "4", "--moe-plugin-gate-sync", "local", "--load",
               str(ck))
     for rank in range(2):

@@ -15,6 +15,8 @@ import sys
 
 import pytest
 
+from megamoe_plugin.megatron_adapter.checkpointing import TRACKER
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(REPO, "examples", "megatron", "pretrain_moe_gpt.py")
 HELPERS = os.path.join(REPO, "tests", "helpers")
@@ -97,7 +99,7 @@ def test_checkpoint_resume_next_steps_match(layout, tol, cache, tmp_path):
     ck = tmp_path / "ck"
     full, _ = run(2, [*layout, "--save", str(ck), "--save-interval", "2"], cache)
     assert sorted(full) == [1, 2, 3, 4] and (ck / "iter_0000002").is_dir()
-    (ck / "latest_checkpointed_iteration.txt").write_text("2")     # resume from iteration 2, not the last save
+    (ck / TRACKER).write_text("2")     # resume from iteration 2, not the last save
     resumed, out = run(2, [*layout, "--load", str(ck)], cache)
     assert "loaded checkpoint" in out and sorted(resumed) == [3, 4], out[-3000:]
     for it in (3, 4):
