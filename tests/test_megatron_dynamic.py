@@ -4,6 +4,7 @@ repeated epochs (--epoch-samples); a resumed run restores the capacities in forc
 import os
 import re
 
+import pytest
 import torch
 
 from test_megatron_trainer import cache, run  # noqa: F401  (fixture and launcher)
@@ -15,6 +16,7 @@ DYN = ["--expert-model-parallel-size", "2", "--moe-expert-capacity-factor", "1.0
 FRAG = re.compile(r"iteration\s+(\d+)/\d+ .*cf ([0-9.]+) drop ([0-9.]+) recompiles (\d+) cache (on|off)")
 
 
+@pytest.mark.one_release             # DynaMoE's capacities and cache are the plugin's own logic
 def test_dynamic_capacity_and_cache_in_the_megatron_trainer(cache, tmp_path):
     save = str(tmp_path / "ckpt")
     losses, out = run(2, [*DYN, "--train-iters", "40", "--save", save, "--save-interval", "20"], cache)

@@ -98,6 +98,7 @@ def test_flexmoe_moves_experts_and_keeps_the_math(flexmoe_run, baseline):
     _close(_grad_norms(out), base_norms, 2e-3)
 
 
+@pytest.mark.one_release             # the flexmoe test covers the release's gradient and optimizer paths
 def test_shadow_shadows_experts_and_keeps_the_math(cache, profile, baseline):
     losses, out = run(2, [*EP2, *COMMON, *_policy("shadow", profile)], cache)
     lines = _placement_lines(out)
@@ -131,7 +132,7 @@ def saved_after_moves(cache, profile, tmp_path_factory, flexmoe_run):
 @pytest.mark.parametrize("nproc,layout,placement", [
     (2, EP2, "flexmoe"),
     (1, ["--expert-model-parallel-size", "1"], "flexmoe"),
-    (1, ["--expert-model-parallel-size", "1"], "none"),
+    pytest.param(1, ["--expert-model-parallel-size", "1"], "none", marks=pytest.mark.one_release),
 ], ids=["EP2-flexmoe", "EP1-flexmoe", "EP1-none"])
 def test_checkpoint_after_moves_resumes_at_any_ep(nproc, layout, placement, saved_after_moves, flexmoe_run, cache,
                                                   profile):
