@@ -39,7 +39,7 @@ sys.exit(not (sys.version_info[:2] == (3, 12) and m.version('torch').split('+')[
   "$VENV/bin/python" -m pip install -q --upgrade pip
   "$VENV/bin/python" -m pip install -q "torch==$TORCH" "megatron-core==$MCORE"
 fi
-"$VENV/bin/python" -m pip install -q -e ".[megatron-lm]" pytest
+"$VENV/bin/python" -m pip install -q -e ".[megatron-lm]" pytest pytest-xdist
 
 if [ -z "${MEGATRON_LM_DIR:-}" ] && [ -f ../shared/megatron-lm/core_v0.19.0/pretrain_gpt.py ]; then
   MEGATRON_LM_DIR=$(cd ../shared/megatron-lm/core_v0.19.0 && pwd)
@@ -48,9 +48,10 @@ fi
 "$VENV/bin/python" -c "import sys, torch, megatron.core as m
 print(f'run_megatron_py312.sh: Python {sys.version.split()[0]}, torch {torch.__version__}, megatron-core {m.__version__}; '
       'Megatron-LM: ${MEGATRON_LM_DIR:-found by the test}')" 2>/dev/null
-# tests marked one_release check what runs the same on every Megatron release: the main suite runs them
-exec "$VENV/bin/python" -m pytest -q -p no:cacheprovider -m "not one_release" \
-  tests/test_megatron_adapter.py tests/test_megatron_doctor.py tests/test_megatron_trainer.py \
-  tests/test_megatron_placement.py tests/test_megatron_dynamic.py tests/test_megatron_inference.py \
-  tests/test_megatron_peer.py tests/test_megatron_lm.py tests/test_megatron_router_parity.py \
-  tests/test_megatron_lm_recipes.py "$@"
+# tests marked one_release check what runs the same on every Megatron release: the main suite runs them; two
+# pytest-xdist workers, a file to a worker (its module fixtures run once), the files with the longest runs first
+exec "$VENV/bin/python" -m pytest -q -p no:cacheprovider -n 2 --dist loadfile -m "not one_release" \
+  tests/test_megatron_lm_recipes.py tests/test_megatron_lm.py tests/test_megatron_trainer.py \
+  tests/test_megatron_placement.py tests/test_megatron_router_parity.py tests/test_megatron_adapter.py \
+  tests/test_megatron_doctor.py tests/test_megatron_dynamic.py tests/test_megatron_inference.py \
+  tests/test_megatron_peer.py "$@"
