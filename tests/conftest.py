@@ -49,7 +49,6 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "slow: a multi-process test that takes tens of seconds (few, but real)")
 
 
-
 # Tests whose assertions need the machine to themselves: emulated clusters (network namespaces, CPU cgroups, a
 # cleanup that removes every run it does not see alive, leftover counts) and timings (calibration order, fixed-speed
 # shares, a wall-clock bound, the recompiler's overlap). The README's test command runs the rest on two pytest-xdist
