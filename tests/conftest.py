@@ -48,18 +48,3 @@ def run_distributed(fn, world_size, *args):
 def pytest_configure(config):
     config.addinivalue_line("markers", "slow: a multi-process test that takes tens of seconds (few, but real)")
 
-
-# Tests whose assertions need the machine to themselves: emulated clusters (network namespaces, CPU cgroups, a
-# cleanup that removes every run it does not see alive, leftover counts) and timings (calibration order, fixed-speed
-# shares, a wall-clock bound, the recompiler's overlap). The README's test command runs the rest on two pytest-xdist
-# workers, a file to a worker so that module fixtures run once (-n 2 --dist loadfile -m "not serial"), then these in
-# one process (-m serial).
-SERIAL_FILES = {"test_cluster.py", "test_autoprofile.py", "test_calibrate.py", "test_recompile.py",
-                "test_perfmodel.py"}
-
-
-@pytest.hookimpl(tryfirst=True)      # before -m selects by markers
-def pytest_collection_modifyitems(config, items):
-    for item in items:
-        if item.path.name in SERIAL_FILES:
-            item.add_marker(pytest.mark.serial)

@@ -16,6 +16,8 @@ import torch
 import torch.distributed as dist
 
 from conftest import run_distributed
+
+pytestmark = pytest.mark.serial         # fixed-speed cgroups and timed calibrations
 from megamoe_plugin import MoEConfig, MoELayer
 from megamoe_plugin.gates import Gate, register_gate
 from megamoe_plugin.placement import AfterStepHook

@@ -13,6 +13,8 @@ import pytest
 from megamoe_plugin.perfmodel.calibrate import accuracy, run_calibration
 from megamoe_plugin.perfmodel.profiles import HardwareProfile
 
+pytestmark = pytest.mark.serial         # the calibration orders configurations by measured time
+
 
 def test_accuracy_metrics_by_hand():
     r2, mre, conc = accuracy([1.0, 2.0, 3.0], [1.0, 2.0, 4.0])

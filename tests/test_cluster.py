@@ -23,7 +23,7 @@ import pytest
 from megamoe_plugin.cluster import cpu_caps, leftovers, unavailable
 
 WHY = unavailable()
-pytestmark = pytest.mark.skipif(WHY is not None, reason=WHY or "")
+pytestmark = [pytest.mark.skipif(WHY is not None, reason=WHY or ""), pytest.mark.serial]   # clusters, cgroups
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HELPERS = os.path.join(REPO, "tests", "helpers")
 PROBE = re.compile(r"measured \(TCP probe\): inter-node ([0-9.]+) MB/s, intra-node ([0-9.]+) MB/s")

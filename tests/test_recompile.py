@@ -11,6 +11,8 @@ import torch.distributed as dist
 from conftest import run_distributed
 from megamoe_plugin.dynamic import Recompiler
 
+pytestmark = pytest.mark.serial         # step times against sleeps
+
 
 def _loop(rc, steps, work_s, applied, metrics_of=lambda s: {"loss": torch.tensor(float(s))}):
     step_times = []
