@@ -107,6 +107,21 @@ def test_megatron_spells_derived_options_and_messages():
                             "--moe-plugin-topology", "[[0]]"])
 
 
+
+def test_a_flag_error_in_pretrain_gpt_stops_every_rank_with_rank_0s_line(capsys):
+    """Every rank finds a bad flag; torchrun stops the job at the first rank to exit, so rank 0 (the one that
+    prints) exits first and the others, silent, only after a grace period, all with argparse's status 2."""
+    import time
+    from megamoe_plugin.megatron_adapter.args import exit_with_error
+    with pytest.raises(SystemExit) as stop:
+        exit_with_error("--moe-plugin-gate=nope: unknown", rank=0, grace_s=5.0)
+    assert stop.value.code == 2 and capsys.readouterr().err == "error: --moe-plugin-gate=nope: unknown\n"
+    start = time.monotonic()
+    with pytest.raises(SystemExit) as stop:
+        exit_with_error("--moe-plugin-gate=nope: unknown", status=3, rank=1, grace_s=0.3)
+    assert stop.value.code == 3 and time.monotonic() - start >= 0.3
+    assert capsys.readouterr().err == ""
+
 def _megatron(args, **env):
     e = dict(os.environ, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1",
              PYTHONPATH=os.pathsep.join([HELPERS, REPO, os.environ.get("PYTHONPATH", "")]), **env)

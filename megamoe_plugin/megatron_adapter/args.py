@@ -9,6 +9,9 @@ Megatron meaning (which layers are MoE): the spec builder swaps exactly the MoE 
 Errors are ``ConfigError`` (a ValueError) whose text names the flag as the user typed it, e.g.
 ``--moe-router-topk=2: the switch gate routes each token to 1 expert; use --moe-router-topk=1``.
 
+An error every rank finds alike stops the run through ``exit_with_error``: one line from rank 0, the same exit
+status on every rank.
+
 Usable with Megatron-LM's parser (``extra_args_provider=moe_plugin_extra_args()``) and with any argparse parser
 that has Megatron's flag names (``examples/megatron`` adds the subset it understands with
 ``core_args.add_megatron_core_args``). ``config_from_megatron(src)`` also reads a ``TransformerConfig``.
@@ -16,8 +19,11 @@ that has Megatron's flag names (``examples/megatron`` adds the subset it underst
 from __future__ import annotations
 
 import argparse
+import os
 import re
-from typing import Any, Callable, Dict, Optional
+import sys
+import time
+from typing import Any, Callable, Dict, NoReturn, Optional
 
 from ..config import MOVING_PLACEMENTS, ConfigError, MoEConfig, flag, iter_options
 from ..gate_registry import gate_class
@@ -377,3 +383,17 @@ def startup_line(cfg: MoEConfig, args) -> str:
     if cfg.gate not in ("topk", "naive"):
         line += f" (the {cfg.gate} gate's own choice rule, not megatron-core's top-k)"
     return line + ("; same math as Megatron's, which it replaces: " + "; ".join(replaced) if replaced else "")
+
+
+def exit_with_error(message: str, status: int = 2, rank: Optional[int] = None, grace_s: float = 30.0) -> NoReturn:
+    """Stop a run on an error that every rank finds at the same point (the flags): rank 0 prints
+    ``error: <message>`` on stderr and exits with ``status``, like argparse. The other ranks print nothing and
+    wait up to ``grace_s`` before exiting with the same status: torchrun stops every rank as soon as one exits,
+    so the first failure it sees is rank 0's, whose line is in the output, and not a silent rank that got there
+    first while rank 0 was still printing Megatron's argument table."""
+    rank = int(os.environ.get("RANK", "0")) if rank is None else rank
+    if rank == 0:
+        print(f"error: {message}", file=sys.stderr, flush=True)
+    else:
+        time.sleep(grace_s)
+    raise SystemExit(status)

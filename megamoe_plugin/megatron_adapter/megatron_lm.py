@@ -99,7 +99,7 @@ def _wrap_validate_args(validate_args: Callable) -> Callable:
     @functools.wraps(validate_args)
     def wrapped(args, *a, **kw):
         out = validate_args(args, *a, **kw)
-        from .args import validate_moe_plugin_args
+        from .args import exit_with_error, validate_moe_plugin_args
         try:
             if not torch.cuda.is_available() and getattr(args, "distributed_backend", "gloo") == "nccl":
                 raise ConfigError("--distributed-backend=nccl: this torch has no CUDA; use --distributed-backend "
@@ -130,9 +130,7 @@ def _wrap_validate_args(validate_args: Callable) -> Callable:
                                   "trainer (examples/megatron/pretrain_moe_gpt.py) or fairseq for it")
         except ConfigError as e:
             # Like argparse: one line on stderr (rank 0), exit status 2, before any model is built.
-            if int(os.environ.get("RANK", "0")) == 0:
-                print(f"error: {e}", file=sys.stderr, flush=True)
-            raise SystemExit(2) from None
+            exit_with_error(str(e), 2)
         return out
 
     wrapped._megamoe_wrapped = True

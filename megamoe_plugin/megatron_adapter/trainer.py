@@ -502,8 +502,9 @@ def main(argv=None):
         try:
             start = load_checkpoint(args, run.model, run.optimizer, run.scheduler) if args.load else 0
         except CheckpointError as err:
-            if dist.get_rank() == 0:
-                print(f"error: {err}", file=sys.stderr, flush=True)
+            # every rank that fails says so: a rank's own shard can fail where rank 0's loads
+            who = f"rank {dist.get_rank()}: " if dist.get_world_size() > 1 else ""
+            print(f"error: {who}{err}", file=sys.stderr, flush=True)
             raise SystemExit(1) from None
         if args.skip_train:
             evaluate_checkpoint(run, start)
