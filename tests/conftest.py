@@ -1,6 +1,17 @@
-"""Shared test helpers: a naive per-token reference of the MoE layer and a gloo multi-process launcher."""
+"""Shared test helpers: a naive per-token reference of the MoE layer and a gloo multi-process launcher; the order
+pytest-xdist hands test files to its workers.
+
+With ``-n N --dist loadfile`` (the README's test command) a worker takes a whole file at a time, and pytest-xdist
+hands them out by their number of tests, most first: the files of a few long multi-process tests (Megatron-LM's
+pretrain_gpt.py runs) came last and ran alone at the end while the other worker sat idle. Here the files go out
+longest first instead, by their seconds in tests/file_durations.json (measured on a 2-core machine, per Python
+version; a file it does not list counts 0 and keeps pytest-xdist's place). ``--record-file-durations`` writes that
+table from a run.
+"""
+import json
 import os
 import sys
+from collections import defaultdict
 
 import pytest
 import torch
@@ -45,6 +56,61 @@ def run_distributed(fn, world_size, *args):
     run_processes(fn, world_size, *args, start_method="spawn")
 
 
+DURATIONS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "file_durations.json")
+PYTHON = f"{sys.version_info[0]}.{sys.version_info[1]}"
+_FILE_SECONDS = defaultdict(float)        # this run's seconds per test file (setup, call and teardown reports)
+
+
 def pytest_configure(config):
     config.addinivalue_line("markers", "slow: a multi-process test that takes tens of seconds (few, but real)")
+
+
+def pytest_addoption(parser):
+    parser.addoption("--record-file-durations", action="store_true",
+                     help="add this run's seconds per test file (setup, call, teardown) to tests/file_durations.json, "
+                          "under this Python version: the order the README's two-worker run hands files out in")
+
+
+def _file_durations():
+    try:
+        with open(DURATIONS) as f:
+            return json.load(f).get(PYTHON, {})
+    except (OSError, ValueError):
+        return {}
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """--dist loadfile with the longest files first (module docstring)."""
+    if config.getoption("dist", None) != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+    seconds = _file_durations()
+
+    class LongestFileFirst(LoadFileScheduling):
+        def _assign_work_unit(self, node):
+            longest = max(self.workqueue, key=lambda path: seconds.get(path, 0.0))  # ties: pytest-xdist's order
+            self.workqueue.move_to_end(longest, last=False)
+            super()._assign_work_unit(node)
+
+    return LongestFileFirst(config, log)
+
+
+def pytest_runtest_logreport(report):
+    _FILE_SECONDS[report.nodeid.split("::", 1)[0]] += report.duration
+
+
+def pytest_sessionfinish(session):
+    config = session.config
+    if not config.getoption("record_file_durations") or hasattr(config, "workerinput"):
+        return                                   # (a pytest-xdist worker: its controller writes the table)
+    try:
+        with open(DURATIONS) as f:
+            table = json.load(f)
+    except (OSError, ValueError):
+        table = {}
+    table.setdefault(PYTHON, {}).update({path: round(s, 1) for path, s in _FILE_SECONDS.items()})
+    with open(DURATIONS, "w") as f:
+        json.dump({v: dict(sorted(t.items())) for v, t in sorted(table.items())}, f, indent=1)
+        f.write("\n")
 

@@ -49,7 +49,7 @@ fi
 print(f'run_megatron_py312.sh: Python {sys.version.split()[0]}, torch {torch.__version__}, megatron-core {m.__version__}; '
       'Megatron-LM: ${MEGATRON_LM_DIR:-found by the test}')" 2>/dev/null
 # tests marked one_release check what runs the same on every Megatron release: the main suite runs them; two
-# pytest-xdist workers, a file to a worker (its module fixtures run once), the files with the longest runs first
+# pytest-xdist workers, a file to a worker (its module fixtures run once), the longest files first (tests/conftest.py)
 exec "$VENV/bin/python" -m pytest -q -p no:cacheprovider -n 2 --dist loadfile -m "not one_release" \
   tests/test_megatron_lm_recipes.py tests/test_megatron_lm.py tests/test_megatron_trainer.py \
   tests/test_megatron_placement.py tests/test_megatron_router_parity.py tests/test_megatron_adapter.py \
