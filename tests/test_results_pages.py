@@ -11,7 +11,7 @@ import pytest
 from megamoe_plugin.results import main as results_main
 from megamoe_plugin.results.mdtable import number, read_tables, span
 from megamoe_plugin.results.pages import apply
-from megamoe_plugin.results.sections_cluster import dynamic_vs_static, never_lose, over_static
+from megamoe_plugin.results.sections_cluster import dynamic_vs_static, never_lose, over_static, pairs_over_static
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PAGES = ["README.md", "BENCHMARKS.md", "docs/results.md", "docs/data/README.md", "docs/history/README.md"]
@@ -101,6 +101,17 @@ def test_table_reading_and_the_comparisons_by_hand():
     text, met = never_lose({"static": [1.0, 1.0], "shadow": [0.98, 1.05], "idle": [1.16, 1.20]})
     assert met is False and text.endswith("not resolved: `idle`, which changes nothing, measured 1.16-1.20x")
     assert never_lose({"static": [1.0, 1.0], "eplb": [0.98, 0.99]})[1] is True     # no idle run: the floor alone
+    # side by side: each pair's own static over the run, the floor read the same way
+    pairs = {"flexmoe": {"pairs": [{"static_train_s": 300.0, "run_train_s": 312.5, "static_time_to_target_s": 250.0,
+                                    "run_time_to_target_s": 200.0},
+                                   {"static_train_s": 290.0, "run_train_s": 290.0, "static_time_to_target_s": 1.0,
+                                    "run_time_to_target_s": 1.0}]},
+             "idle": {"pairs": [{"static_train_s": 100.0, "run_train_s": 101.0, "static_time_to_target_s": 90.0,
+                                 "run_time_to_target_s": 90.0}]}}
+    over = pairs_over_static(pairs)                      # the floor's measure: training time for the same steps
+    assert over == {"flexmoe": [pytest.approx(0.96), pytest.approx(1.0)], "idle": [pytest.approx(100 / 101)]}
+    assert pairs_over_static(pairs, "time_to_target")["flexmoe"] == [pytest.approx(1.25), pytest.approx(1.0)]
+    assert never_lose(over, "pairs") == ("0.96-1.00x (runs x pairs)", False)
     # static at the dynamic policy's drop rate (7%): between CF=4 (1%, 0.60 s) and CF=2 (13%, 0.48 s) -> 0.54 s
     summary = {"CF=1.0": {"dropped": [0.30], "step_seconds": [0.40]},
                "CF=2.0": {"dropped": [0.13], "step_seconds": [0.48]},
