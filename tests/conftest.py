@@ -89,8 +89,10 @@ def pytest_xdist_make_scheduler(config, log):
 
     class LongestFileFirst(LoadFileScheduling):
         def _assign_work_unit(self, node):
-            longest = max(self.workqueue, key=lambda path: seconds.get(path, 0.0))  # ties: pytest-xdist's order
-            self.workqueue.move_to_end(longest, last=False)
+            queue = self.workqueue                  # pytest-xdist 3.x: an OrderedDict of file -> its tests
+            if queue and hasattr(queue, "move_to_end"):     # else (another layout) pytest-xdist's own order
+                longest = max(queue, key=lambda path: seconds.get(path, 0.0))  # ties: pytest-xdist's order
+                queue.move_to_end(longest, last=False)
             super()._assign_work_unit(node)
 
     return LongestFileFirst(config, log)
