@@ -71,10 +71,11 @@ def pytest_addoption(parser):
                           "under this Python version: the order the README's two-worker run hands files out in")
 
 
-def _file_durations():
+def _durations_table():
+    """tests/file_durations.json: {Python version: {test file: seconds}} ({} when missing or unreadable)."""
     try:
         with open(DURATIONS) as f:
-            return json.load(f).get(PYTHON, {})
+            return json.load(f)
     except (OSError, ValueError):
         return {}
 
@@ -85,7 +86,7 @@ def pytest_xdist_make_scheduler(config, log):
     if config.getoption("dist", None) != "loadfile":
         return None
     from xdist.scheduler import LoadFileScheduling
-    seconds = _file_durations()
+    seconds = _durations_table().get(PYTHON, {})
 
     class LongestFileFirst(LoadFileScheduling):
         def _assign_work_unit(self, node):
@@ -106,11 +107,7 @@ def pytest_sessionfinish(session):
     config = session.config
     if not config.getoption("record_file_durations") or hasattr(config, "workerinput"):
         return                                   # (a pytest-xdist worker: its controller writes the table)
-    try:
-        with open(DURATIONS) as f:
-            table = json.load(f)
-    except (OSError, ValueError):
-        table = {}
+    table = _durations_table()
     table.setdefault(PYTHON, {}).update({path: round(s, 1) for path, s in _FILE_SECONDS.items()})
     with open(DURATIONS, "w") as f:
         json.dump({v: dict(sorted(t.items())) for v, t in sorted(table.items())}, f, indent=1)

@@ -108,17 +108,19 @@ def test_megatron_spells_derived_options_and_messages():
 
 
 
-def test_a_flag_error_in_pretrain_gpt_stops_every_rank_with_rank_0s_line(capsys):
+def test_a_flag_error_in_pretrain_gpt_stops_every_rank_with_rank_0s_line(capsys, monkeypatch):
     """Every rank finds a bad flag; torchrun stops the job at the first rank to exit, so rank 0 (the one that
     prints) exits first and the others, silent, only after a grace period, all with argparse's status 2."""
     import time
     from megamoe_plugin.megatron_adapter.args import exit_with_error
+    monkeypatch.setenv("RANK", "0")                                    # as torchrun sets it
     with pytest.raises(SystemExit) as stop:
-        exit_with_error("--moe-plugin-gate=nope: unknown", rank=0, grace_s=5.0)
+        exit_with_error("--moe-plugin-gate=nope: unknown", grace_s=5.0)
     assert stop.value.code == 2 and capsys.readouterr().err == "error: --moe-plugin-gate=nope: unknown\n"
     start = time.monotonic()
+    monkeypatch.setenv("RANK", "1")
     with pytest.raises(SystemExit) as stop:
-        exit_with_error("--moe-plugin-gate=nope: unknown", status=3, rank=1, grace_s=0.3)
+        exit_with_error("--moe-plugin-gate=nope: unknown", status=3, grace_s=0.3)
     assert stop.value.code == 3 and time.monotonic() - start >= 0.3
     assert capsys.readouterr().err == ""
 

@@ -385,14 +385,13 @@ def startup_line(cfg: MoEConfig, args) -> str:
     return line + ("; same math as Megatron's, which it replaces: " + "; ".join(replaced) if replaced else "")
 
 
-def exit_with_error(message: str, status: int = 2, rank: Optional[int] = None, grace_s: float = 30.0) -> NoReturn:
+def exit_with_error(message: str, status: int = 2, grace_s: float = 30.0) -> NoReturn:
     """Stop a run on an error that every rank finds at the same point (the flags): rank 0 prints
     ``error: <message>`` on stderr and exits with ``status``, like argparse. The other ranks print nothing and
     wait up to ``grace_s`` before exiting with the same status: torchrun stops every rank as soon as one exits,
     so the first failure it sees is rank 0's, whose line is in the output, and not a silent rank that got there
     first while rank 0 was still printing Megatron's argument table."""
-    rank = int(os.environ.get("RANK", "0")) if rank is None else rank
-    if rank == 0:
+    if int(os.environ.get("RANK", "0")) == 0:
         print(f"error: {message}", file=sys.stderr, flush=True)
     else:
         time.sleep(grace_s)

@@ -120,9 +120,10 @@ def _pairs_table(pairs: Dict[str, dict]) -> str:
                  lines, "lrrrrr")
 
 
-def _pairs_body(data: Data, run_id: str) -> List[str]:
-    """Each placement run beside a static run of its own (two emulated clusters at once): per cell, a table."""
-    res, out = data.json(run_id), []
+def _pairs_body(data: Data, run_id: str, res: dict) -> List[str]:
+    """Each placement run beside a static run of its own (two emulated clusters at once; ``res``: the run's data):
+    per cell, a table."""
+    out = []
     for cell in res["cells"]:
         out += [f"**{cell['tokens_per_rank']:,} tokens per rank, each run beside its own static**, "
                 f"{len(next(iter(cell['pairs'].values()))['pairs'])} pairs of {res['setup']['steps']} steps.",
@@ -146,8 +147,9 @@ def planners(data: Data) -> Section:
     if "planners-pairs" in data.runs:
         # the floor as resolved beside a static run of its own; in the text these replace the 512-token runs one
         # after another (the figure keeps them)
-        pairs_body = _pairs_body(data, "planners-pairs")
-        small_pairs = next(c for c in data.json("planners-pairs")["cells"] if c["tokens_per_rank"] == 512)
+        pairs = data.json("planners-pairs")
+        pairs_body = _pairs_body(data, "planners-pairs", pairs)
+        small_pairs = next(c for c in pairs["cells"] if c["tokens_per_rank"] == 512)
         floor_result, floor_met = never_lose(pairs_over_static(small_pairs["pairs"]),
                                              "pairs, training time beside its own static")
         runs.append("planners-pairs")
