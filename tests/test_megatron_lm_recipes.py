@@ -20,8 +20,8 @@ import sys
 
 import pytest
 
-from test_megatron_lm import (CPU_ARGS, LM_LOSS, TIMEOUT, _apply_patch, _copy_checkout, _megatron_version, _tail,  # noqa: F401
-                              checkout)
+from test_megatron_lm import (CPU_ARGS, EAGER_FUSIONS, LM_LOSS, TIMEOUT, _apply_patch, _copy_checkout,  # noqa: F401
+                              _megatron_version, _tail, checkout)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODEL = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
@@ -65,7 +65,7 @@ def _run(root, tmp_path, args, nproc=2, check=True, patched=False):
     """pretrain_gpt.py through the launcher (or, ``patched``, the patched script itself): ({iteration: lm loss},
     output); with check=False the exit status is returned as the output's first line instead of asserted."""
     import subprocess
-    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1",
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1", **EAGER_FUSIONS,
                PYTHONPATH=os.pathsep.join([root, REPO] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
     env.pop("MEGATRON_LM_DIR", None)
     entry = [] if patched else ["-m", "megamoe_plugin.megatron_adapter.launch"]

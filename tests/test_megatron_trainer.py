@@ -50,9 +50,11 @@ def records(record_dir, rank):
         return [json.loads(line) for line in f]
 
 
-@pytest.mark.parametrize("layout", [["--expert-model-parallel-size", "2"],
-                                    ["--pipeline-model-parallel-size", "2", "--moe-layer-freq", "1"]],
-                         ids=["EP2", "PP2"])
+@pytest.mark.parametrize("layout", [
+    # EP=2 on the second release: test_checkpoint_resume_next_steps_match[EP2-exact] trains it there; what this
+    # test adds (the hook's records, the routing trace) is the plugin's own logic
+    pytest.param(["--expert-model-parallel-size", "2"], marks=pytest.mark.one_release),
+    ["--pipeline-model-parallel-size", "2", "--moe-layer-freq", "1"]], ids=["EP2", "PP2"])
 def test_trainer_two_processes_loss_falls_and_hook_runs(layout, cache, tmp_path):
     iters = 8
     trace = str(tmp_path / "trace" / "routing")
