@@ -11,7 +11,8 @@ import pytest
 from megamoe_plugin.results import main as results_main
 from megamoe_plugin.results.mdtable import number, read_tables, span
 from megamoe_plugin.results.pages import apply
-from megamoe_plugin.results.sections_cluster import dynamic_vs_static, never_lose, over_static, pairs_over_static
+from megamoe_plugin.results.sections_cluster import (_pairs_table, dynamic_vs_static, never_lose, over_static,
+                                                     pairs_over_static)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PAGES = ["README.md", "BENCHMARKS.md", "docs/results.md", "docs/data/README.md", "docs/history/README.md"]
@@ -112,6 +113,13 @@ def test_table_reading_and_the_comparisons_by_hand():
     assert over == {"flexmoe": [pytest.approx(0.96), pytest.approx(1.0)], "idle": [pytest.approx(100 / 101)]}
     assert pairs_over_static(pairs, "time_to_target")["flexmoe"] == [pytest.approx(1.25), pytest.approx(1.0)]
     assert never_lose(over, "pairs") == ("0.96-1.00x (runs x pairs)", False)
+    # two static runs side by side (an A/A pair) are a row of their own, named so, and not a run of the floor
+    aa = {"static": {"pairs": [{"static_train_s": 102.6, "run_train_s": 100.0, "static_time_to_target_s": 90.0,
+                                "run_time_to_target_s": 90.0, "static_step_ms": 2466.0, "run_step_ms": 2313.0,
+                                "late_over_static": 1.07, "moves": 0}]}}
+    row = next(line for line in _pairs_table(aa).splitlines() if "static beside static" in line)
+    assert "1.026x" in row and "2466 / 2313" in row
+    assert never_lose({**pairs_over_static(aa), "eplb": [0.98]}, "pairs") == ("0.98x (runs x pairs)", True)
     # static at the dynamic policy's drop rate (7%): between CF=4 (1%, 0.60 s) and CF=2 (13%, 0.48 s) -> 0.54 s
     summary = {"CF=1.0": {"dropped": [0.30], "step_seconds": [0.40]},
                "CF=2.0": {"dropped": [0.13], "step_seconds": [0.48]},
