@@ -112,7 +112,9 @@ def _planner_table(cell: dict) -> str:
 def _pairs_table(pairs: Dict[str, dict]) -> str:
     """One row per run; a ``static`` entry is two static runs side by side (the pairs' own resolution)."""
     wall, target = pairs_over_static(pairs), pairs_over_static(pairs, "time_to_target")
-    lines = [["static beside static" if run == "static" else run, " / ".join(ratio(v, 3) for v in wall[run]), " / ".join(ratio(v, 3) for v in target[run]),
+    label = {"static": "static beside static"}
+    lines = [[label.get(run, run), " / ".join(ratio(v, 3) for v in wall[run]),
+              " / ".join(ratio(v, 3) for v in target[run]),
               ", ".join(f"{p['static_step_ms']:.0f} / {p['run_step_ms']:.0f}" for p in v["pairs"]),
               " / ".join(ratio(p.get("late_over_static"), 3) for p in v["pairs"]),
               " / ".join(f"{p['moves']:.0f}" for p in v["pairs"])] for run, v in pairs.items()]
