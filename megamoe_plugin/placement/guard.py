@@ -15,8 +15,7 @@ before it (the papers' planners trust their cost models; this keeps a model that
   of the last ``reference_steps`` steps run there) at 2, 4, 8, ... windows: slower by more than the margin (and,
   before ``sure_windows`` windows, the noise) returns to the original placement; after ``max_returns`` returns the
   policy stops for the run. Before any change was kept, an undone trial from the original placement counts as a
-  return too: the model is wrong on this job; one that moved rows and lost beyond the noise stops it at once
-  (``sure_stop``). Once a change that moved rows was kept, it is right (``trusted``):
+  return too: the model is wrong on this job. Once a change that moved rows was kept, it is right (``trusted``):
   until the next return, later changes are judged by the watch alone and need only the planners' least gain.
 - ``step_noise``: a step's relative spread from one step to the next at the original placement (the verdicts'
   standard errors); ``resolvable_gain``: the least saving a verdict tells from it (the planners must predict it).
@@ -74,10 +73,6 @@ class GuardSettings:
     """An inconclusive verdict waits for up to this many windows after the change, then the margin decides."""
     sure_windows: int = 4
     """From this many windows away from the original placement the watch judges by the margin alone."""
-    sure_stop: bool = True
-    """A first trial from the original placement that moved rows and lost beyond the margin plus the noise, before
-    any change paid, stops the policy for the run: the cost model misprices this job by more than its steps vary
-    (at 512 tokens per rank the second trial after such a loss lost again)."""
     control: bool = True
     """Judge a first trial from the original placement that moved rows against that placement on both sides of it
     (a window before the trial and a window after it with the trial undone), with no margin: the routing's drift
@@ -232,12 +227,8 @@ class PayoffGuard:
         self.pause = min(self.settings.backoff ** self.strikes, self.settings.max_pause)
         if behind or change.from_origin:
             # a trial from the start that lost before any change paid counts as a return: a cost model that has
-            # not been right once on this job stops after ``max_returns`` such trials, or at once (``sure_stop``)
-            # when the trial moved rows and lost beyond the steps' noise
-            undo = self._return_to_origin(counted=behind or self.kept == 0)
-            if self.settings.sure_stop and change.moved and self.kept == 0 and lost and not within_noise:
-                self.stopped = True
-            return undo
+            # not been right once on this job stops after ``max_returns`` such trials
+            return self._return_to_origin(counted=behind or self.kept == 0)
         return self._undo(change.snapshots)
 
     def _start_control(self, change: _Change, measured: float):
