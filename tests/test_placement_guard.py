@@ -3,8 +3,7 @@
 made until the window is complete; one that lost is undone exactly (the previous slot table and shadow set come
 back) and the policy pauses 2, 4, ... runs; one that paid is kept and resets the pauses. A single slow step (an
 evaluation in the window) does not decide. Every rank takes the same verdict, however long its own part of the
-change took. The tests of the one-window verdict and of the watch turn off the control window of a first trial
-(``control=False``); it has its own tests."""
+change took."""
 import json
 from dataclasses import replace
 from types import SimpleNamespace
@@ -55,7 +54,7 @@ def test_every_rank_takes_the_same_verdict(tmp_path):
 
 def _changed_runtime():
     before = PlacementState(8, 4, 3)
-    rt = SimpleNamespace(state=before.copy(), shadowed=[])
+    rt = SimpleNamespace(state=before.copy())
     rt.state.expand(0, 1)                                 # the change: a replica of expert 0 on rank 1 ...
     rt.state.migrate(3, 1, 2)                             # ... and expert 3 moved to rank 2
     return rt, before
@@ -118,7 +117,7 @@ def test_a_change_that_lost_is_undone_and_the_policy_pauses():
 
 
 def test_after_a_change_paid_a_lost_trial_pauses_without_stopping():
-    guard = PayoffGuard(control=False, warmup_steps=0, margin=0.03, min_reference=3)
+    guard = PayoffGuard(warmup_steps=0, margin=0.03, min_reference=3)
     rt, before = _changed_runtime()
     _steps(guard, 1.0, 1.0, 1.0)
     guard.record(1.0, 0.0, 1, [rt], [before], [()])
@@ -140,14 +139,14 @@ def test_a_change_that_moved_nothing_is_kept_only_when_not_slower():
     rt, before = _changed_runtime()
     verdicts = {}
     for free in (False, True):
-        guard = PayoffGuard(control=False, warmup_steps=0, margin=0.03)
+        guard = PayoffGuard(warmup_steps=0, margin=0.03)
         guard.record(1.0, 0.0, 1, [rt], [before], [(2,)], free_undo=free)
         _steps(guard, 1.02, 1.02, 1.02)
         verdicts[free] = guard.check(1)
     assert verdicts[False] is None and isinstance(verdicts[True], list)
     watched = {}
     for free in (False, True):
-        guard = PayoffGuard(control=False, warmup_steps=0, margin=0.03, min_reference=3)
+        guard = PayoffGuard(warmup_steps=0, margin=0.03, min_reference=3)
         _steps(guard, *[1.0] * 6)
         guard.record(1.0, 0.0, 1, [rt], [before], [(2,)], free_undo=free)
         _steps(guard, 0.99, 0.99, 0.99)
@@ -166,7 +165,7 @@ def test_a_verdict_judges_against_the_old_placement_on_the_routing_after_the_cha
     cases = ((lambda snaps: snapshots_seen.append(snaps) or 0.54, 1.06, True, 0.04), (None, 1.06, False, 0.0),
              (lambda snaps: 0.8, 1.2, False, 0.05))
     for i, (drift, step, kept, credited) in enumerate(cases):
-        guard = PayoffGuard(control=False, warmup_steps=0, margin=0.03)
+        guard = PayoffGuard(warmup_steps=0, margin=0.03)
         rt, before = _changed_runtime()
         if i == 0:
             first = (rt, before)
@@ -181,7 +180,7 @@ def test_a_verdict_judges_against_the_old_placement_on_the_routing_after_the_cha
 
 
 def test_a_change_that_paid_is_kept_and_one_slow_step_does_not_decide():
-    guard = PayoffGuard(control=False, warmup_steps=0, margin=0.03)
+    guard = PayoffGuard(warmup_steps=0, margin=0.03)
     rt, before = _changed_runtime()
     guard.record(1.00, cost_s=1.0, interval=10, runtimes=[rt], states=[before], shadows=[()])
     _steps(guard, *([0.9] * 8 + [6.0, 6.0]))              # two evaluations in the window of 10
@@ -225,7 +224,7 @@ def test_the_hook_says_how_many_steps_the_counts_cover():
 def test_changes_that_add_up_to_a_loss_return_to_the_original_placement():
     """Each change is within the margin of the steps just before it, but together they run 3.5% slower than the
     original placement: the watch goes back to the original slot table, not to the first change's."""
-    guard = PayoffGuard(control=False, warmup_steps=0, margin=0.03)
+    guard = PayoffGuard(warmup_steps=0, margin=0.03)
     rt, start = _changed_runtime()                        # rt now holds change 1 (made from `start`)
     guard.record(1.00, 0.0, 1, [rt], [start], [()])
     _steps(guard, 1.02, 1.02, 1.02)                       # +2%: kept
@@ -247,7 +246,7 @@ def test_after_a_change_that_moved_rows_paid_later_changes_are_judged_by_the_wat
     the watch over every step since the start still sends the placement back when those steps (median 1.15 s)
     are slower than the start, and from there a change is judged on its own again. A kept change that moved
     nothing (a new shadow set) does not earn that trust."""
-    guard = PayoffGuard(control=False, warmup_steps=0, margin=0.03)
+    guard = PayoffGuard(warmup_steps=0, margin=0.03)
     rt, start = _changed_runtime()
     _steps(guard, *[1.0] * 6)
     assert guard.resolvable_gain(1, 0.1) > 0.1
@@ -268,7 +267,7 @@ def test_after_a_change_that_moved_rows_paid_later_changes_are_judged_by_the_wat
     assert rt.state.copy().apply(moves) == start
     assert guard.resolvable_gain(1, 0.1) > 0.1
 
-    free = PayoffGuard(control=False, warmup_steps=0, margin=0.03)
+    free = PayoffGuard(warmup_steps=0, margin=0.03)
     rt, start = _changed_runtime()
     _steps(free, *[1.0] * 6)
     free.record(1.0, 0.0, 1, [rt], [start], [(2,)], free_undo=True)
@@ -285,7 +284,7 @@ def test_a_loss_within_the_verdicts_noise_waits_for_more_steps_instead_of_undoin
     window 15% slower is beyond the noise and is undone at once; a change still 5% slower after three windows is
     undone on the margin alone."""
     def noisy_guard():
-        guard = PayoffGuard(control=False, warmup_steps=0, margin=0.03)
+        guard = PayoffGuard(warmup_steps=0, margin=0.03)
         guard.job_noise = 0.1
         _steps(guard, *[1.0] * 10)
         return guard
@@ -311,7 +310,7 @@ def test_a_loss_within_the_verdicts_noise_waits_for_more_steps_instead_of_undoin
         verdicts.append(slow.check(10))
     assert verdicts[:2] == [WAIT, WAIT] and isinstance(verdicts[2], list) and slow.undone == 1
 
-    quiet = PayoffGuard(control=False, warmup_steps=0, margin=0.03)                      # no noise measured: the margin alone, at once
+    quiet = PayoffGuard(warmup_steps=0, margin=0.03)                      # no noise measured: the margin alone, at once
     _steps(quiet, *[1.0] * 10)
     quiet.record(1.0, 0.0, 10, [rt], [start], [()])
     _steps(quiet, *[1.05] * 10)
@@ -324,7 +323,7 @@ def test_the_watch_judges_against_the_start_on_the_routing_of_now():
     credited 5% of the step at most: against 1.05 s (+3%) the changes pay and the watch keeps them. Without the
     drift it sends the policy back; at 1.1 s a step the capped credit does not cover them either."""
     for drift, step, returned in ((lambda snaps: 0.65, 1.07, 0), (None, 1.07, 1), (lambda snaps: 0.65, 1.1, 1)):
-        guard = PayoffGuard(control=False, warmup_steps=0, margin=0.03)
+        guard = PayoffGuard(warmup_steps=0, margin=0.03)
         rt, start = _changed_runtime()
         _steps(guard, *[1.0] * 6)
         guard.record(1.0, 0.0, 1, [rt], [start], [()], before_model_s=0.5)
@@ -339,7 +338,7 @@ def test_a_watch_within_the_noise_looks_again_one_window_later():
     """10% step noise, 6 reference steps: 10 steps since leaving at 1.06 s are above the margin but within one
     standard error (1.25 x 0.1 x sqrt(1/10 + 1/6) = 6.5%); the watch looks again one window later rather than at
     twice the steps, and from four windows away judges on the margin alone."""
-    guard = PayoffGuard(control=False, warmup_steps=0, margin=0.03)
+    guard = PayoffGuard(warmup_steps=0, margin=0.03)
     guard.job_noise = 0.1
     rt, start = _changed_runtime()
     _steps(guard, *[1.0] * 6)
@@ -376,7 +375,7 @@ def test_no_change_before_the_reference_is_measured():
 def test_a_kept_change_that_loses_later_returns_to_the_start_and_two_returns_stop_the_policy():
     """A change judged on a lucky window is kept; the watch over every step since the placement left the start
     (at 2, 4, ... windows) finds it slower than the start and goes back; the second return stops the policy."""
-    guard = PayoffGuard(control=False, warmup_steps=0, margin=0.03)
+    guard = PayoffGuard(warmup_steps=0, margin=0.03)
     rt, start = _changed_runtime()
     _steps(guard, *[1.0] * 6)
     guard.record(1.0, 0.0, 1, [rt], [start], [()])
@@ -403,7 +402,7 @@ def test_a_kept_change_that_loses_later_returns_to_the_start_and_two_returns_sto
 
 
 def test_a_change_that_keeps_paying_is_watched_less_and_less_often():
-    guard = PayoffGuard(control=False, warmup_steps=0, margin=0.03)
+    guard = PayoffGuard(warmup_steps=0, margin=0.03)
     rt, start = _changed_runtime()
     _steps(guard, *[1.0] * 6)
     guard.record(1.0, 0.0, 1, [rt], [start], [()])
@@ -629,7 +628,7 @@ def test_a_sure_loss_is_undone_after_three_steps_of_a_longer_window():
     (1.25 x 0.1 x sqrt(1/10 + 1/3) = 8.2%) and it is undone then; 3 steps 8% slower are within it, and 3 steps
     10% faster are not a verdict either: the whole window decides both."""
     def guard_with_change():
-        guard = PayoffGuard(control=False, warmup_steps=0, margin=0.03)
+        guard = PayoffGuard(warmup_steps=0, margin=0.03)
         guard.job_noise = 0.1
         _steps(guard, *[1.0] * 10)
         rt, start = _changed_runtime()
@@ -656,7 +655,7 @@ def test_a_sure_loss_is_undone_after_three_steps_of_a_longer_window():
     _steps(faster, 0.9, 0.9, 0.9)
     assert faster.check(10) == WAIT and faster.kept == 0 and faster.pending is not None
 
-    short = PayoffGuard(control=False, warmup_steps=0, margin=0.03)                      # a 3-step window has no early look
+    short = PayoffGuard(warmup_steps=0, margin=0.03)                      # a 3-step window has no early look
     _steps(short, 1.0, 1.0, 1.0)
     rt, start = _changed_runtime()
     short.record(1.0, 0.0, 3, [rt], [start], [()])
@@ -689,62 +688,3 @@ def test_the_hook_runs_the_policy_for_the_guards_early_look_between_intervals():
         policy.it = it
         hook.run(torch.nn.Linear(1, 1), opt, it, moe_layers=[])
     assert policy.ran == [10, 13, 20]
-
-
-def test_a_first_trial_is_judged_against_the_start_on_both_sides_of_it():
-    """A first trial from the start that moved rows ran 0.97 s a step against 1.0 s before it: 3% faster by the
-    one-window verdict, which keeps it. With the control window it is undone for one window first: the start then
-    runs 0.92 s (the steps sped up by themselves), so the start's mean (0.96 s) beats the trial and it stays undone,
-    counted as a return; when the start runs 1.0 s again, the trial (0.97 s) is put back, trusted, and the watch
-    starts against every step the start ran."""
-    verdicts = {}
-    for control_s in (0.92, 1.0):
-        guard = PayoffGuard(warmup_steps=0, margin=0.03)
-        rt, start = _changed_runtime()
-        trial = rt.state.copy()
-        _steps(guard, *[1.0] * 10)
-        guard.record(1.0, 0.0, 10, [rt], [start], [()])
-        _steps(guard, *[0.97] * 3)
-        assert guard.early_due() and guard.check(10) == WAIT           # 3 steps: no sure loss
-        _steps(guard, *[0.97] * 7)
-        back = guard.check(10)
-        assert isinstance(back, list) and guard.controlled == 1 and guard.at_origin and guard.pending is not None
-        (_, moves, shadow), = back
-        rt.state = rt.state.copy().apply(moves)
-        assert rt.state == start and shadow == ()
-        _steps(guard, *[control_s] * 3)
-        assert not guard.early_due() and guard.check(10) == WAIT       # the control window is not complete
-        _steps(guard, *[control_s] * 7)
-        verdicts[control_s] = guard.check(10)
-        assert guard.pending is None
-        if control_s == 1.0:
-            (_, moves, _), = verdicts[control_s]
-            assert rt.state.copy().apply(moves) == trial
-            assert guard.kept == 1 and guard.trusted and not guard.at_origin and guard.returned == 0
-            assert guard.reference == 1.0 and guard.reference_n == 20
-        else:
-            assert verdicts[control_s] is None and guard.kept == 0 and guard.undone == 1
-            assert guard.returned == 1 and guard.at_origin and not guard.trusted
-            assert [guard.paused() for _ in range(3)] == [True, True, False]
-            assert guard.last_drift_s == pytest.approx(-0.04)
-    one_window = PayoffGuard(control=False, warmup_steps=0, margin=0.03)
-    rt, start = _changed_runtime()
-    _steps(one_window, *[1.0] * 10)
-    one_window.record(1.0, 0.0, 10, [rt], [start], [()])
-    _steps(one_window, *[0.97] * 10)
-    assert one_window.check(10) is None and one_window.kept == 1        # the same trial kept on its window alone
-
-
-def test_only_a_first_trial_that_moved_rows_gets_a_control_window():
-    """A new shadow set (moved nothing: free to undo) and a sure loss are judged on their own window, as before."""
-    rt, start = _changed_runtime()
-    free = PayoffGuard(warmup_steps=0, margin=0.03)
-    _steps(free, *[1.0] * 10)
-    free.record(1.0, 0.0, 10, [rt], [start], [(2,)], free_undo=True)
-    _steps(free, *[0.97] * 10)
-    assert free.check(10) is None and free.kept == 1 and free.controlled == 0
-    sure = PayoffGuard(warmup_steps=0, margin=0.03)
-    _steps(sure, *[1.0] * 10)
-    sure.record(1.0, 0.0, 10, [rt], [start], [()])
-    _steps(sure, *[1.2] * 10)
-    assert isinstance(sure.check(10), list) and sure.undone == 1 and sure.controlled == 0 and sure.returned == 1

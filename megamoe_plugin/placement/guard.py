@@ -3,9 +3,7 @@ before it (the papers' planners trust their cost models; this keeps a model that
 
 - Each change is judged once its window of steps is complete (``check``; no new change meanwhile): the median step
   after it, plus the change's own time spread over the window, against the median step before it moved by the
-  routing's drift (``_drift_credit``). A first trial from the original placement that moved rows is judged against
-  the original placement on both sides of it instead (``control``): after its window it is undone for one window
-  at the start, and put back only when its window was faster than the mean of the windows before and after it. Slower by more than ``margin`` plus ``undo_sigmas`` standard errors: undone
+  routing's drift (``_drift_credit``). Slower by more than ``margin`` plus ``undo_sigmas`` standard errors: undone
   (the previous slot table and shadow set restored), the policy paused ``backoff ** strikes`` runs; within the
   margin: kept; in between: judged again a window later, up to ``verdict_windows`` windows, then by the margin
   alone. After the first ``min_steps`` steps of a longer window, a sure loss is undone early (``early_due``).
@@ -73,12 +71,6 @@ class GuardSettings:
     """An inconclusive verdict waits for up to this many windows after the change, then the margin decides."""
     sure_windows: int = 4
     """From this many windows away from the original placement the watch judges by the margin alone."""
-    control: bool = True
-    """Judge a first trial from the original placement that moved rows against that placement on both sides of it
-    (a window before the trial and a window after it with the trial undone), with no margin: the routing's drift
-    over the three windows cancels to first order, where the model's drift credit is in its own seconds and
-    early in training the steps speed up by more than a trial's loss. Kept (put back) only when faster; else the
-    trial counts as a return to the original placement. Costs one more window at the start and the moves back."""
 
 
 def job_max(value: Optional[float]) -> Optional[float]:
@@ -110,9 +102,6 @@ class _Change:
     old_after_s: List[float] = field(default_factory=list)   # the model's step of the old placement, per window after
     margin: float = 0.0                               # the loss it may cost and still be kept (fraction of a step)
     moved: bool = True                                # it moved rows (else only shadow sets changed)
-    control_start: Optional[int] = None               # index of the first step of its control window, once undone
-    trial_s: float = 0.0                              # its measured step (median + own time over the window)
-    trial: List[Tuple[object, PlacementState, Tuple[int, ...]]] = field(default_factory=list)  # to put it back
 
 
 class PayoffGuard:
@@ -143,7 +132,6 @@ class PayoffGuard:
         self.inconclusive = 0                         # verdicts and watches that found a loss within the noise
         self.away_free = False                        # every change since leaving the start moved no rows
         self.trusted = False                          # a change that moved rows paid since leaving the start
-        self.controlled = 0                           # trials judged against a control window at the start
 
     @property
     def enabled(self) -> bool:
@@ -187,8 +175,6 @@ class PayoffGuard:
         change = self.pending
         if change is None:
             return self._watch(interval, drift)
-        if change.control_start is not None:
-            return self._control_verdict(change, drift)
         after = self.steps[change.start:]
         early = len(after) < change.window          # an early look (``early_due``): it may only undo a sure loss
         if early and len(after) < self.settings.min_steps:
@@ -210,8 +196,6 @@ class PayoffGuard:
             self.settings.undo_sigmas * self._median_difference_error(change.before_s, change.window, len(after))
         if early and not (lost and not within_noise):
             return WAIT                               # not a sure loss yet: the whole window decides
-        if self.settings.control and change.from_origin and change.moved and not early and within_noise:
-            return self._start_control(change, measured)  # not a sure loss: the start's steps after it decide
         if not behind and lost and not final and within_noise:
             self.inconclusive += 1                    # within the noise: judge again on one more window
             return WAIT
@@ -231,50 +215,11 @@ class PayoffGuard:
             return self._return_to_origin(counted=behind or self.kept == 0)
         return self._undo(change.snapshots)
 
-    def _start_control(self, change: _Change, measured: float):
-        """A first trial's window is complete: remember its placement and measured step, and go back to the start
-        for one window (its steps feed the reference again)."""
-        change.trial_s = measured
-        change.trial = [(rt, rt.state.copy(), tuple(rt.shadowed)) for rt, _, _ in change.snapshots]
-        change.control_start = len(self.steps)
-        self.controlled += 1
-        self._restart_watch(at_origin=True)
-        return self._undo(change.snapshots)
-
-    def _control_verdict(self, change: _Change, drift=None):
-        """A trial's control window is complete: put the trial back when its step was faster than the mean of the
-        start's windows before and after it (no margin: being faster is what it must show), else stay at the start
-        and count a return. ``WAIT`` until the window is complete. Collective when it judges."""
-        control = self.steps[change.control_start:]
-        if len(control) < change.window:
-            return WAIT
-        start_s = 0.5 * (change.before_s + job_max(statistics.median(control[:change.window])))
-        self.pending = None
-        self.last_drift_s = start_s - change.before_s
-        if change.trial_s < start_s:
-            self.kept += 1
-            self.strikes = 0
-            self.reference = job_max(statistics.median(self.origin_steps))
-            self.reference_n = len(self.origin_steps)
-            if drift is not None and self.reference_model_s is not None:
-                now = drift(self.origin)              # the start on the routing of the control window
-                if now is not None:
-                    self.reference_model_s = 0.5 * (self.reference_model_s + now)
-            self._restart_watch(at_origin=False)
-            self.trusted = True
-            return self._undo(change.trial)
-        self.undone += 1
-        self.strikes += 1
-        self.pause = min(self.settings.backoff ** self.strikes, self.settings.max_pause)
-        self.returned += 1
-        self.stopped = self.returned >= self.settings.max_returns
-        return None
-
     def early_due(self) -> bool:
         """Whether a pending change has just run ``min_steps`` steps of a longer window (``check`` then undoes a sure
         loss only). The same on every rank: every rank observes every step."""
         change = self.pending
-        return (change is not None and change.control_start is None and self.settings.min_steps < change.window
+        return (change is not None and self.settings.min_steps < change.window
                 and len(self.steps) - change.start == self.settings.min_steps)
 
     def _drift_credit(self, modelled: float, step_s: float) -> float:

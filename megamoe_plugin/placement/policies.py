@@ -332,7 +332,6 @@ class _Policy:
             "calibrations": float(self.calibrations),
             "changes_kept": float(self.guard.kept), "changes_undone": float(self.guard.undone),
             "verdicts_inconclusive": float(self.guard.inconclusive),
-            "trials_controlled": float(self.guard.controlled),
             "returned_to_start": float(self.guard.returned), "guard_stopped": float(self.guard.stopped),
             "verdict_drift_s": self.guard.last_drift_s,
         }
