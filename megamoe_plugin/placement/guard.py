@@ -13,9 +13,8 @@ before it (the papers' planners trust their cost models; this keeps a model that
   of the last ``reference_steps`` steps run there) at 2, 4, 8, ... windows: slower by more than the margin (and,
   before ``sure_windows`` windows, the noise) returns to the original placement; after ``max_returns`` returns the
   policy stops for the run. Before any change was kept, an undone trial from the original placement counts as a
-  return too: the model is wrong on this job. With ``trust`` (off by default), once a change that moved rows
-  was kept the model counts as right (``trusted``): until the next return, later changes are judged by the watch
-  alone and need only the planners' least gain.
+  return too: the model is wrong on this job. Once a change that moved rows was kept, it is right (``trusted``):
+  until the next return, later changes are judged by the watch alone and need only the planners' least gain.
 - ``step_noise``: a step's relative spread from one step to the next at the original placement (the verdicts'
   standard errors); ``resolvable_gain``: the least saving a verdict tells from it (the planners must predict it).
 
@@ -72,9 +71,6 @@ class GuardSettings:
     """An inconclusive verdict waits for up to this many windows after the change, then the margin decides."""
     sure_windows: int = 4
     """From this many windows away from the original placement the watch judges by the margin alone."""
-    trust: bool = False
-    """Once a change that moved rows was kept, judge later changes by the watch alone and ask the planners only their
-    least gain (``trusted``). Off: every change is judged on its own window and must predict a resolvable gain."""
 
 
 def job_max(value: Optional[float]) -> Optional[float]:
@@ -207,7 +203,7 @@ class PayoffGuard:
         self.last_drift_s = before_s - change.before_s
         if not behind and not lost:
             self.kept += 1
-            self.trusted = self.trusted or (change.moved and self.settings.trust)
+            self.trusted = self.trusted or change.moved
             self.strikes = 0
             return None
         self.undone += 1
