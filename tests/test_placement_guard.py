@@ -186,6 +186,7 @@ def test_a_change_that_paid_is_kept_and_one_slow_step_does_not_decide():
     _steps(guard, *([0.9] * 8 + [6.0, 6.0]))              # two evaluations in the window of 10
     assert guard.check(10) is None                        # median 0.9 + 1.0 s / 10 = 1.0 <= 1.03: paid
     assert guard.kept == 1 and guard.strikes == 0 and not guard.paused()
+    assert guard.last_measured_s == pytest.approx(1.0) and guard.last_reference_s == 1.0   # reported as metrics
     assert guard.check(10) is None                        # nothing pending: nothing to judge
 
 
@@ -387,6 +388,7 @@ def test_a_kept_change_that_loses_later_returns_to_the_start_and_two_returns_sto
     _steps(guard, 1.2)
     undo = guard.check(1)                                 # median of 1.0 x 3, 1.2 x 3 = 1.1 > 1.03
     assert isinstance(undo, list) and guard.returned == 1 and guard.at_origin and not guard.stopped
+    assert guard.last_measured_s == pytest.approx(1.1) and guard.last_reference_s == 1.0    # the watch's numbers
     (_, moves, _), = undo
     assert rt.state.copy().apply(moves) == start
     assert [guard.paused() for _ in range(33)] == [True] * 32 + [False]      # the longest pause

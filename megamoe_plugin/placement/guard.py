@@ -129,6 +129,8 @@ class PayoffGuard:
         self.observed = 0                             # every step observed (``steps`` keeps the recent ones)
         self.job_noise: Optional[float] = None        # the job's step_noise, as the policy last all-reduced it
         self.last_drift_s = 0.0                       # how far the last verdict moved the steps before (s)
+        self.last_measured_s = 0.0                    # the last verdict's or watch's measured step (s)
+        self.last_reference_s = 0.0                   # what that step was compared with (s, drift included)
         self.inconclusive = 0                         # verdicts and watches that found a loss within the noise
         self.away_free = False                        # every change since leaving the start moved no rows
         self.trusted = False                          # a change that moved rows paid since leaving the start
@@ -190,6 +192,7 @@ class PayoffGuard:
                 before_s = max(before_s + self._drift_credit(statistics.fmean(change.old_after_s)
                                                              - change.before_model_s, before_s), 0.0)
         final = len(after) >= self.settings.verdict_windows * change.window
+        self.last_measured_s, self.last_reference_s = measured, before_s
         behind = self._behind(interval, drift)
         lost = measured > before_s * (1.0 + change.margin)
         within_noise = measured <= before_s * (1.0 + change.margin) + \
@@ -245,6 +248,7 @@ class PayoffGuard:
             if now is not None:
                 reference = max(reference + self._drift_credit(now - self.reference_model_s, reference), 0.0)
         away = job_max(statistics.median(self.away))
+        self.last_measured_s, self.last_reference_s = away, reference
         margin = 0.0 if self.away_free else self.settings.margin
         if away <= reference * (1.0 + margin):
             return False

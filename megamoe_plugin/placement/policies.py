@@ -334,6 +334,7 @@ class _Policy:
             "verdicts_inconclusive": float(self.guard.inconclusive),
             "returned_to_start": float(self.guard.returned), "guard_stopped": float(self.guard.stopped),
             "verdict_drift_s": self.guard.last_drift_s,
+            "verdict_measured_s": self.guard.last_measured_s, "verdict_reference_s": self.guard.last_reference_s,
         }
         if measured is not None:
             self.metrics["measured_step_s"] = measured
