@@ -192,8 +192,8 @@ class PayoffGuard:
                 before_s = max(before_s + self._drift_credit(statistics.fmean(change.old_after_s)
                                                              - change.before_model_s, before_s), 0.0)
         final = len(after) >= self.settings.verdict_windows * change.window
+        behind = self._behind(interval, drift)        # (the watch's numbers, when judged, give way to the verdict's)
         self.last_measured_s, self.last_reference_s = measured, before_s
-        behind = self._behind(interval, drift)
         lost = measured > before_s * (1.0 + change.margin)
         within_noise = measured <= before_s * (1.0 + change.margin) + \
             self.settings.undo_sigmas * self._median_difference_error(change.before_s, change.window, len(after))
