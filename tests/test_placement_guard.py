@@ -236,6 +236,7 @@ def test_changes_that_add_up_to_a_loss_return_to_the_original_placement():
     _steps(guard, 1.05, 1.05, 1.05)                       # +3% on the last; since the start +3.5%: back to it
     undo = guard.check(1)
     assert isinstance(undo, list) and guard.returned == 1
+    assert guard.last_measured_s == pytest.approx(1.035) and guard.last_reference_s == 1.0    # the watch, since the start
     (_, moves, shadow), = undo
     restored = rt.state.copy().apply(moves)
     assert restored == start and shadow == ()
@@ -690,3 +691,19 @@ def test_the_hook_runs_the_policy_for_the_guards_early_look_between_intervals():
         policy.it = it
         hook.run(torch.nn.Linear(1, 1), opt, it, moe_layers=[])
     assert policy.ran == [10, 13, 20]
+
+
+def test_a_verdict_reports_its_own_numbers_after_the_watch_it_consults():
+    """A kept shadow change (moved nothing: no trust), then a change that moved rows runs 1.2 s against 0.99 s before
+    it. Its verdict also asks the watch (6 steps since the start, median 1.095 s against 1.0 s); the metrics show
+    the verdict's numbers, 1.2 against 0.99."""
+    guard = PayoffGuard(warmup_steps=0, margin=0.03)
+    rt, start = _changed_runtime()
+    _steps(guard, *[1.0] * 6)
+    guard.record(1.0, 0.0, 1, [rt], [start], [(2,)], free_undo=True)
+    _steps(guard, 0.99, 0.99, 0.99)
+    assert guard.check(1) is None and guard.kept == 1 and not guard.trusted
+    guard.record(0.99, 0.0, 1, [rt], [rt.state.copy()], [()])
+    _steps(guard, 1.2, 1.2, 1.2)
+    assert isinstance(guard.check(1), list) and guard.returned == 1
+    assert (guard.last_measured_s, guard.last_reference_s) == (1.2, 0.99)
