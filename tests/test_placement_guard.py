@@ -65,6 +65,17 @@ def _steps(guard, *seconds):
         guard.observe(s)
 
 
+def _kept_shadow_change(step):
+    """6 steps of 1.0 s at the start, then a new shadow set (moved nothing) kept at ``step`` s: no trust earned."""
+    guard = PayoffGuard(warmup_steps=0, margin=0.03)
+    rt, start = _changed_runtime()
+    _steps(guard, *[1.0] * 6)
+    guard.record(1.0, 0.0, 1, [rt], [start], [(2,)], free_undo=True)
+    _steps(guard, step, step, step)
+    assert guard.check(1) is None and guard.kept == 1 and not guard.trusted
+    return guard, rt, start
+
+
 def _shadow_policy_run(**overrides):
     """A one-process MoE layer with the shadowing policy (fixed profile), its optimizer and after-step hook."""
     import torch
@@ -269,12 +280,7 @@ def test_after_a_change_that_moved_rows_paid_later_changes_are_judged_by_the_wat
     assert rt.state.copy().apply(moves) == start
     assert guard.resolvable_gain(1, 0.1) > 0.1
 
-    free = PayoffGuard(warmup_steps=0, margin=0.03)
-    rt, start = _changed_runtime()
-    _steps(free, *[1.0] * 6)
-    free.record(1.0, 0.0, 1, [rt], [start], [(2,)], free_undo=True)
-    _steps(free, 0.9, 0.9, 0.9)
-    assert free.check(1) is None and free.kept == 1 and not free.trusted
+    free, rt, start = _kept_shadow_change(0.9)
     free.record(0.9, 0.0, 1, [rt], [start], [(3,)], free_undo=True)
     assert free.pending is not None
 
@@ -697,12 +703,7 @@ def test_a_verdict_reports_its_own_numbers_after_the_watch_it_consults():
     """A kept shadow change (moved nothing: no trust), then a change that moved rows runs 1.2 s against 0.99 s before
     it. Its verdict also asks the watch (6 steps since the start, median 1.095 s against 1.0 s); the metrics show
     the verdict's numbers, 1.2 against 0.99."""
-    guard = PayoffGuard(warmup_steps=0, margin=0.03)
-    rt, start = _changed_runtime()
-    _steps(guard, *[1.0] * 6)
-    guard.record(1.0, 0.0, 1, [rt], [start], [(2,)], free_undo=True)
-    _steps(guard, 0.99, 0.99, 0.99)
-    assert guard.check(1) is None and guard.kept == 1 and not guard.trusted
+    guard, rt, _ = _kept_shadow_change(0.99)
     guard.record(0.99, 0.0, 1, [rt], [rt.state.copy()], [()])
     _steps(guard, 1.2, 1.2, 1.2)
     assert isinstance(guard.check(1), list) and guard.returned == 1
