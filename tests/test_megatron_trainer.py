@@ -33,8 +33,8 @@ def cache(tmp_path_factory):
 
 
 def run(nproc, args, cache, record_dir=None, timeout=420):
-    # TORCHDYNAMO_DISABLE: the trainer turns Megatron's fused kernels off, so torch.compile only costs importing
-    # megatron.core (a launch measured 19.9 s with it, 15.3 s without, Python 3.12, megatron-core 0.19.2)
+    # TORCHDYNAMO_DISABLE: the trainer turns Megatron's fused kernels off, so torch.compile would only cost its
+    # import with megatron.core (the launch times are in the CHANGELOG)
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1", TORCHDYNAMO_DISABLE="1",
                PYTHONPATH=os.pathsep.join([HELPERS, REPO, os.environ.get("PYTHONPATH", "")]))
     if record_dir:
