@@ -18,6 +18,10 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# the subprocesses the tests start skip their final garbage collections at exit (tests/fast_exit/sitecustomize.py)
+_FAST_EXIT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fast_exit")
+if _FAST_EXIT not in os.environ.get("PYTHONPATH", "").split(os.pathsep):
+    os.environ["PYTHONPATH"] = os.pathsep.join([_FAST_EXIT] + [p for p in [os.environ.get("PYTHONPATH")] if p])
 
 
 @pytest.fixture
