@@ -78,8 +78,8 @@ def run_distributed(fn, world_size, *args):
     """Run fn(rank, world_size, *args) in `world_size` real gloo processes (the package's launcher); any failure
     fails the test. fn must be a module-level function. The children come from a forkserver that has imported
     torch and the package once: clean processes, like spawned ones (a test process may hold state a fork should not
-    inherit), without importing torch again for each child (4 s each on a 2-core machine). Where there is no
-    /proc to reach the test's output through, they are spawned."""
+    inherit), without importing torch again for each child. Where there is no /proc to reach the test's output
+    through, they are spawned."""
     import multiprocessing
 
     from megamoe_plugin.launch import run_processes
