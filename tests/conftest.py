@@ -22,6 +22,13 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 _FAST_EXIT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fast_exit")
 if _FAST_EXIT not in os.environ.get("PYTHONPATH", "").split(os.pathsep):
     os.environ["PYTHONPATH"] = os.pathsep.join([_FAST_EXIT] + [p for p in [os.environ.get("PYTHONPATH")] if p])
+_LAUNCH_RANKS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "helpers", "launch_ranks.py")
+
+
+def ranks_command(nproc) -> list:
+    """The command prefix that starts ``nproc`` ranks of a Python program as ``torchrun --standalone`` would,
+    without torchrun's own process (tests/helpers/launch_ranks.py); the program and its arguments follow."""
+    return [sys.executable, _LAUNCH_RANKS, str(nproc)]
 
 
 @pytest.fixture

@@ -1,5 +1,5 @@
 """fairseq's own command-line tools with the plugin's --user-dir, for real: fairseq-preprocess, fairseq-train
-(1 process, and 2 gloo processes under torchrun with experts sharded over them), fairseq-eval-lm and
+(1 process, and 2 gloo processes started as torchrun starts them, with experts sharded over them), fairseq-eval-lm and
 fairseq-generate on the checkpoints.
 
 - LM, 1 process: loss falls, the aux loss and per-layer expert metrics are logged.
@@ -18,6 +18,7 @@ import subprocess
 import sys
 
 import pytest
+from conftest import ranks_command
 
 pytest.importorskip("fairseq")
 
@@ -39,14 +40,13 @@ def env(**extra):
 
 
 def fairseq_cli(tool, args, nproc=1, check=True, timeout=300, **extra_env):
-    """Run a fairseq console tool as `python -m fairseq_cli.<tool>` (1 process) or fairseq-train under torchrun
-    through the plugin's launcher."""
+    """Run a fairseq console tool as `python -m fairseq_cli.<tool>` (1 process) or fairseq-train on ``nproc`` ranks
+    (``ranks_command``) through the plugin's launcher."""
     if nproc == 1:
         cmd = [sys.executable, "-m", f"fairseq_cli.{tool}", *args]
     else:
         assert tool == "train"
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-               "-m", "megamoe_plugin.fairseq_adapter.launch", *args]
+        cmd = ranks_command(nproc) + ["-m", "megamoe_plugin.fairseq_adapter.launch", *args]
     p = subprocess.run(cmd, env=env(**extra_env), capture_output=True, text=True, timeout=timeout, cwd=REPO)
     out = p.stdout + p.stderr
     if check:

@@ -7,12 +7,11 @@
 import json
 import os
 import subprocess
-import sys
 
 import pytest
 import torch
 
-from conftest import run_distributed
+from conftest import ranks_command, run_distributed
 from megamoe_plugin import train
 from megamoe_plugin.gate_sync import gate_params
 from megamoe_plugin.megatron_adapter.checkpointing import TRACKER
@@ -93,8 +92,7 @@ MEGATRON = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads",
 
 def _megatron(rec, *args):
     rec.mkdir()
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m",
-           "megamoe_plugin.megatron_adapter.trainer", *MEGATRON, *args]
+    cmd = ranks_command(2) + ["-m", "megamoe_plugin.megatron_adapter.trainer", *MEGATRON, *args]
     p = subprocess.run(cmd, env=_env(rec), capture_output=True, text=True, timeout=300, cwd=REPO)
     assert p.returncode == 0, (p.stdout + p.stderr)[-3000:]
     return p.stdout

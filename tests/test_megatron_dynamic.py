@@ -1,4 +1,4 @@
-"""DynaMoE in the megatron-core example trainer, for real: torchrun, 2 gloo processes, EP=2, capacity dispatch
+"""DynaMoE in the megatron-core example trainer, for real: 2 gloo processes started as torchrun starts them, EP=2, capacity dispatch
 with --moe-plugin-capacity-policy dynamic and the assignment cache keyed by the trainer's sample indices over
 repeated epochs (--epoch-samples); a resumed run restores the capacities in force."""
 import os

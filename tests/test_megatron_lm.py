@@ -1,6 +1,7 @@
 """Megatron-LM's own ``pretrain_gpt.py`` with the plugin, on every Megatron-LM checkout found: the patch for its tag
 (patches/pretrain_gpt.py.<tag>.patch) and the no-patch launcher (``python -m megamoe_plugin.megatron_adapter.launch``),
-each on gloo processes (torchrun) with a tiny MoE GPT on mock data: EP=2 with the test placement policy, TP=2 +
+each on gloo processes (torchrun for those two; the other runs start their ranks as torchrun does, without its
+process: tests/helpers/launch_ranks.py) with a tiny MoE GPT on mock data: EP=2 with the test placement policy, TP=2 +
 sequence parallel, PP=2, bad flag combinations refused at argument validation, and ``--moe-plugin-placement flexmoe``
 in Megatron-LM's loop and checkpoints (same training, checkpoint after moves loads at EP=1), with Megatron's
 Adam and with its distributed optimizer.
@@ -23,6 +24,7 @@ import subprocess
 import sys
 
 import pytest
+from conftest import ranks_command
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHARED_CHECKOUTS = os.path.join(os.path.dirname(REPO), "shared", "megatron-lm")
@@ -53,8 +55,7 @@ TIMEOUT = 300
 # Megatron's fused kernels (megatron.core.jit) are torch.compile'd, and Megatron-LM compiles them at start-up
 # (_warmup_jit_function): on CPU a large part of a short launch, and Megatron's own code, not the plugin's
 # (CHANGELOG). Launches run those fusions eagerly (TORCHDYNAMO_DISABLE=1) except test_patched_pretrain_gpt's, which
-# runs them compiled as a user's run does, and the bf16 placement run's, whose tolerance is bf16 rounding of the
-# compiled kernels.
+# runs them compiled as a user's run does.
 EAGER_FUSIONS = {"TORCHDYNAMO_DISABLE": "1"}
 
 # What runs on CPU with gloo (see patches/README.md).
@@ -143,8 +144,11 @@ def _env(tmp_path, checkout_dir, record_dir, compiled_fusions=False):
     return env
 
 
-def _torchrun(cmd_tail, env, cwd, nproc=2):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)] + cmd_tail
+def _torchrun(cmd_tail, env, cwd, nproc=2, torchrun=False):
+    """``nproc`` ranks of ``python <cmd_tail>``: under torchrun itself with ``torchrun`` (a user's command line),
+    else started as torchrun starts them (``ranks_command``): (exit status, output)."""
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)]
+    cmd = (launcher if torchrun else ranks_command(nproc)) + cmd_tail
     p = subprocess.run(cmd, env=env, cwd=str(cwd), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                        timeout=TIMEOUT)
     return p.returncode, p.stdout
@@ -181,7 +185,8 @@ def test_patched_pretrain_gpt(checkout, tmp_path):
     record = tmp_path / "record"
     record.mkdir()
     rc, out = _torchrun([os.path.join(root, "pretrain_gpt.py")] + CPU_ARGS + TINY_ARGS + MOE_ARGS + POLICY_ARGS
-                        + ["--log-interval", "1"], _env(tmp_path, root, record, compiled_fusions=True), tmp_path)
+                        + ["--log-interval", "1"], _env(tmp_path, root, record, compiled_fusions=True), tmp_path,
+                        torchrun=True)
     _check_training(rc, out, record, log_interval=1)
 
 
@@ -214,7 +219,7 @@ def test_launcher_unmodified_pretrain_gpt(checkout, tmp_path):
     record.mkdir()
     rc, out = _torchrun(["-m", "megamoe_plugin.megatron_adapter.launch", os.path.join(root, "pretrain_gpt.py")]
                         + CPU_ARGS + TINY_ARGS + MOE_ARGS + POLICY_ARGS + ["--log-interval", "2"],
-                        _env(tmp_path, root, record), tmp_path)
+                        _env(tmp_path, root, record), tmp_path, torchrun=True)
     _check_training(rc, out, record, log_interval=2)
     with open(os.path.join(root, "pretrain_gpt.py")) as f:
         assert "megamoe" not in f.read()
@@ -286,16 +291,15 @@ def test_flexmoe_placement_in_megatron_lm_same_training_and_checkpoint(checkout,
     checkpoint written after the moves (experts and Adam state by logical id; each move carried each rank's part of
     the expert's main copy and moments) loads at EP=1 on 2 processes exactly like the checkpoint of the run without
     placement; equal to bf16 rounding (a replicated expert's gradient is summed in another order). Routing is
-    deterministic (second expert always kept); the RNG state is per layout, not loaded. Six trainings of
-    pretrain_gpt.py (two minutes): run on the release users install today, core_v0.19.0 in
+    deterministic (second expert always kept); the RNG state is per layout, not loaded. Four trainings of
+    pretrain_gpt.py: run on the release users install today, core_v0.19.0 in
     tests/run_megatron_py312.sh; older checkouts are skipped."""
     if _megatron_version(checkout) < (0, 19):
         pytest.skip(f"{os.path.basename(checkout)}: the distributed-optimizer placement run is tested on "
                     "core_v0.19.0 (tests/run_megatron_py312.sh)")
     root = _copy_checkout(checkout, tmp_path / "Megatron-LM")
     _apply_patch(root)
-    # compiled fusions: the 1e-4 tolerance below is the bf16 rounding of the compiled kernels, not of the eager ones
-    env = _env(tmp_path, root, tmp_path, compiled_fusions=True)
+    env = _env(tmp_path, root, tmp_path)
     script = os.path.join(root, "pretrain_gpt.py")
     profile = _slow_compute_profile(tmp_path / "slow.json")
     base = CPU_ARGS + TINY_ARGS + ["--num-experts", "4", "--moe-router-topk", "2", "--moe-plugin", "--moe-plugin-gate",
@@ -325,8 +329,8 @@ def test_flexmoe_placement_in_megatron_lm_same_training_and_checkpoint(checkout,
     # both checkpoints resumed for 2 more steps at EP=1: the same losses
     resumed = {}
     for name in ("none", "flexmoe"):
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(resume_nproc),
-               script] + base + ["--expert-model-parallel-size", "1", "--load", runs[name][2], "--no-load-rng"]
+        cmd = ranks_command(resume_nproc) + [script] + base + ["--expert-model-parallel-size", "1", "--load",
+                                                               runs[name][2], "--no-load-rng"]
         p = subprocess.run(cmd, env=env, cwd=str(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                            timeout=TIMEOUT)
         assert p.returncode == 0, _tail(p.stdout)

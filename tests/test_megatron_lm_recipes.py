@@ -16,9 +16,9 @@ Megatron-LM's own argument validation refuses ``--moe-grouped-gemm`` (it asks fo
 so the Qwen3 recipe runs here without it."""
 import os
 import re
-import sys
 
 import pytest
+from conftest import ranks_command
 
 from test_megatron_lm import (CPU_ARGS, EAGER_FUSIONS, LM_LOSS, TIMEOUT, _apply_patch, _copy_checkout,  # noqa: F401
                               _megatron_version, _tail, checkout)
@@ -62,15 +62,15 @@ ROUTER_LINE = re.compile(r"megamoe-plugin: note: MoE layers: the plugin's router
 
 
 def _run(root, tmp_path, args, nproc=2, check=True, patched=False):
-    """pretrain_gpt.py through the launcher (or, ``patched``, the patched script itself): ({iteration: lm loss},
+    """pretrain_gpt.py through the launcher (or, ``patched``, the patched script itself), its ranks started as
+    torchrun starts them (``ranks_command``): ({iteration: lm loss},
     output); with check=False the exit status is returned as the output's first line instead of asserted."""
     import subprocess
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1", **EAGER_FUSIONS,
                PYTHONPATH=os.pathsep.join([root, REPO] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
     env.pop("MEGATRON_LM_DIR", None)
     entry = [] if patched else ["-m", "megamoe_plugin.megatron_adapter.launch"]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc), *entry,
-           os.path.join(root, "pretrain_gpt.py")] + CPU_ARGS + MODEL + args
+    cmd = ranks_command(nproc) + [*entry, os.path.join(root, "pretrain_gpt.py")] + CPU_ARGS + MODEL + args
     p = subprocess.run(cmd, env=env, cwd=str(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                        timeout=TIMEOUT)
     if not check:

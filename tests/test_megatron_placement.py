@@ -1,5 +1,5 @@
 """Dynamic expert placement inside megatron-core, for real: the example trainer
-(examples/megatron/pretrain_moe_gpt.py) under torchrun on 2 gloo processes with EP=2, megatron-core's DDP, chained
+(examples/megatron/pretrain_moe_gpt.py) on 2 gloo processes started as torchrun starts them with EP=2, megatron-core's DDP, chained
 optimizer, schedules and dist_checkpointing.
 
 - ``--moe-plugin-placement flexmoe`` / ``shadow`` act (moves / shadowed experts, printed in the progress line) on a

@@ -1,5 +1,5 @@
-"""The megatron-core example trainer (examples/megatron/pretrain_moe_gpt.py) with --moe-plugin, for real: torchrun,
-2 gloo processes, megatron-core's DDP, optimizer, schedules, datasets and dist_checkpointing.
+"""The megatron-core example trainer (examples/megatron/pretrain_moe_gpt.py) with --moe-plugin, for real: 2 gloo
+processes started as torchrun starts them, megatron-core's DDP, optimizer, schedules, datasets and dist_checkpointing.
 
 - EP=2 and PP=2 (MoE layers in both stages): loss finite and falling; the placement hook ran after every step on
   every rank (the recording policy in tests/helpers writes what it saw).
@@ -11,9 +11,9 @@ import math
 import os
 import re
 import subprocess
-import sys
 
 import pytest
+from conftest import ranks_command
 
 from megamoe_plugin.megatron_adapter.checkpointing import TRACKER
 
@@ -39,8 +39,7 @@ def run(nproc, args, cache, record_dir=None, timeout=420):
                PYTHONPATH=os.pathsep.join([HELPERS, REPO, os.environ.get("PYTHONPATH", "")]))
     if record_dir:
         env["MEGAMOE_RECORD_DIR"] = str(record_dir)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", SCRIPT,
-           *TINY, "--data-cache-path", cache, *args]
+    cmd = ranks_command(nproc) + [SCRIPT, *TINY, "--data-cache-path", cache, *args]
     p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=REPO)
     out = p.stdout + p.stderr
     assert p.returncode == 0, out[-4000:]
@@ -207,6 +206,5 @@ def test_resume_at_larger_world_keeps_the_checkpoint_lr_schedule_on_every_rank(c
 def _run_raw(nproc, args, cache):
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1",
                PYTHONPATH=os.pathsep.join([HELPERS, REPO, os.environ.get("PYTHONPATH", "")]))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", SCRIPT,
-           *TINY, "--data-cache-path", cache, *args]
+    cmd = ranks_command(nproc) + [SCRIPT, *TINY, "--data-cache-path", cache, *args]
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=REPO)
