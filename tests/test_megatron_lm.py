@@ -144,7 +144,7 @@ def _env(tmp_path, checkout_dir, record_dir, compiled_fusions=False):
     return env
 
 
-def _torchrun(cmd_tail, env, cwd, nproc=2, torchrun=False):
+def _launch(cmd_tail, env, cwd, nproc=2, torchrun=False):
     """``nproc`` ranks of ``python <cmd_tail>``: under torchrun itself with ``torchrun`` (a user's command line),
     else started as torchrun starts them (``ranks_command``): (exit status, output)."""
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)]
@@ -184,7 +184,7 @@ def test_patched_pretrain_gpt(checkout, tmp_path):
     _apply_patch(root)
     record = tmp_path / "record"
     record.mkdir()
-    rc, out = _torchrun([os.path.join(root, "pretrain_gpt.py")] + CPU_ARGS + TINY_ARGS + MOE_ARGS + POLICY_ARGS
+    rc, out = _launch([os.path.join(root, "pretrain_gpt.py")] + CPU_ARGS + TINY_ARGS + MOE_ARGS + POLICY_ARGS
                         + ["--log-interval", "1"], _env(tmp_path, root, record, compiled_fusions=True), tmp_path,
                         torchrun=True)
     _check_training(rc, out, record, log_interval=1)
@@ -197,7 +197,7 @@ def test_patched_pretrain_gpt_tensor_parallel_sequence_parallel_expert_parallel(
     root = _copy_checkout(checkout, tmp_path / "Megatron-LM")
     _apply_patch(root)
     tp = ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--expert-tensor-parallel-size", "1"]
-    rc, out = _torchrun([os.path.join(root, "pretrain_gpt.py")] + CPU_ARGS + TINY_ARGS + MOE_ARGS + tp
+    rc, out = _launch([os.path.join(root, "pretrain_gpt.py")] + CPU_ARGS + TINY_ARGS + MOE_ARGS + tp
                         + ["--log-interval", "1"], _env(tmp_path, root, tmp_path), tmp_path, nproc=4)
     assert rc == 0, _tail(out)
     losses = {int(i): float(v) for i, v in LM_LOSS.findall(out)}
@@ -206,7 +206,7 @@ def test_patched_pretrain_gpt_tensor_parallel_sequence_parallel_expert_parallel(
     summary = re.findall(r"\[megamoe-plugin\] iteration\s+(\d+) \| L1 experts [0-9.]+ bal", out)
     assert [int(i) for i in summary] == list(range(1, ITERS + 1)), _tail(out)
     # without the plugin's TP requirement met, the plugin's own check now speaks (it was never reached before)
-    rc, out = _torchrun([os.path.join(root, "pretrain_gpt.py")] + CPU_ARGS + TINY_ARGS + MOE_ARGS
+    rc, out = _launch([os.path.join(root, "pretrain_gpt.py")] + CPU_ARGS + TINY_ARGS + MOE_ARGS
                         + ["--tensor-model-parallel-size", "2", "--expert-tensor-parallel-size", "2"],
                         _env(tmp_path, root, tmp_path), tmp_path, nproc=2)
     assert rc != 0 and "error: megamoe-plugin: --expert-tensor-parallel-size=2" in out, _tail(out)
@@ -217,7 +217,7 @@ def test_launcher_unmodified_pretrain_gpt(checkout, tmp_path):
     root = _copy_checkout(checkout, tmp_path / "Megatron-LM")
     record = tmp_path / "record"
     record.mkdir()
-    rc, out = _torchrun(["-m", "megamoe_plugin.megatron_adapter.launch", os.path.join(root, "pretrain_gpt.py")]
+    rc, out = _launch(["-m", "megamoe_plugin.megatron_adapter.launch", os.path.join(root, "pretrain_gpt.py")]
                         + CPU_ARGS + TINY_ARGS + MOE_ARGS + POLICY_ARGS + ["--log-interval", "2"],
                         _env(tmp_path, root, record), tmp_path, torchrun=True)
     _check_training(rc, out, record, log_interval=2)
@@ -231,7 +231,7 @@ def test_launcher_pipeline_parallel_expert_parallel(checkout, tmp_path):
     root = _copy_checkout(checkout, tmp_path / "Megatron-LM")
     record = tmp_path / "record"
     record.mkdir()
-    rc, out = _torchrun(["-m", "megamoe_plugin.megatron_adapter.launch", os.path.join(root, "pretrain_gpt.py")]
+    rc, out = _launch(["-m", "megamoe_plugin.megatron_adapter.launch", os.path.join(root, "pretrain_gpt.py")]
                         + CPU_ARGS + TINY_ARGS + MOE_ARGS + POLICY_ARGS
                         + ["--pipeline-model-parallel-size", "2", "--log-interval", "1"],
                         _env(tmp_path, root, record), tmp_path, nproc=4)
@@ -254,7 +254,7 @@ def test_bad_flag_combination_fails_at_validation(checkout, tmp_path):
     torch.distributed is initialised or any model is built."""
     root = _copy_checkout(checkout, tmp_path / "Megatron-LM")
     args = [a if a != "gshard" else "switch" for a in MOE_ARGS]
-    rc, out = _torchrun(["-m", "megamoe_plugin.megatron_adapter.launch", os.path.join(root, "pretrain_gpt.py")]
+    rc, out = _launch(["-m", "megamoe_plugin.megatron_adapter.launch", os.path.join(root, "pretrain_gpt.py")]
                         + CPU_ARGS + TINY_ARGS + args, _env(tmp_path, root, tmp_path), tmp_path)
     assert rc != 0, _tail(out)
     assert re.search(r"error: megamoe-plugin: --moe-router-topk=2: the switch gate routes each token to 1 expert; "
@@ -315,7 +315,7 @@ def test_flexmoe_placement_in_megatron_lm_same_training_and_checkpoint(checkout,
     runs = {}
     for name, extra in (("none", []), ("flexmoe", placement)):
         ck = str(tmp_path / f"ck_{name}")
-        rc, out = _torchrun([script] + base + ep2 + extra + ["--save", ck, "--save-interval", str(ITERS),
+        rc, out = _launch([script] + base + ep2 + extra + ["--save", ck, "--save-interval", str(ITERS),
                                                              "--exit-interval", str(ITERS)], env, tmp_path, nproc)
         assert rc == 0 and "successfully saved checkpoint" in out, _tail(out)
         losses = {int(i): float(v) for i, v in LM_LOSS.findall(out)}
@@ -345,7 +345,7 @@ def test_distributed_optimizer_placement_checkpoint_format_fails_at_validation(c
     fully reshardable format (its default stores flat buffers in this run's slot layout): refused after Megatron's
     validate_args, the flags named, before any model is built."""
     root = _copy_checkout(checkout, tmp_path / "Megatron-LM")
-    rc, out = _torchrun(["-m", "megamoe_plugin.megatron_adapter.launch", os.path.join(root, "pretrain_gpt.py")]
+    rc, out = _launch(["-m", "megamoe_plugin.megatron_adapter.launch", os.path.join(root, "pretrain_gpt.py")]
                         + CPU_ARGS + TINY_ARGS + MOE_ARGS + ["--use-distributed-optimizer", "--moe-plugin-placement",
                                                              "flexmoe", "--save", str(tmp_path / "ck"),
                                                              "--save-interval", "2"],

@@ -5,10 +5,9 @@
 Starts N copies of the program on this machine as ranks 0..N-1, each with the environment torchrun gives the
 workers of a standalone single-node job (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK, ROLE_RANK,
 ROLE_WORLD_SIZE, GROUP_WORLD_SIZE, MASTER_ADDR, MASTER_PORT; rank 0 hosts the TCP store on a free port outside
-the ephemeral range), writing to this
-process's standard output and error. As torchrun does, it stops the other ranks (SIGTERM, then SIGKILL after
-``GRACE_S``) as soon as one exits with an error, and exits 1 then. The ranks die with it (``PR_SET_PDEATHSIG``), so
-a test's timeout that kills it leaves no rank behind.
+the ephemeral range), writing to this process's standard output and error. As torchrun does, it stops the other
+ranks (SIGTERM, then SIGKILL after ``GRACE_S``) as soon as one exits with an error, and exits 1 then. The ranks die
+with it (``PR_SET_PDEATHSIG``), so a test's timeout that kills it leaves no rank behind.
 
 torchrun imports torch and its elastic agent before it starts a rank: seconds of CPU per launch on a 2-core machine,
 for a process that takes no part in the job. The tests that show a user's command line keep torchrun itself
@@ -63,14 +62,14 @@ def main(argv) -> int:
                    GROUP_RANK="0", GROUP_WORLD_SIZE="1", ROLE_RANK=str(r), ROLE_WORLD_SIZE=str(n),
                    ROLE_NAME="default", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
         ranks.append(subprocess.Popen([sys.executable, *program], env=env, preexec_fn=_die_with_parent))
-    failed = None
-    while failed is None and any(p.poll() is None for p in ranks):
-        failed = next((r for r, p in enumerate(ranks) if p.returncode not in (None, 0)), None)
-        if failed is None:
-            time.sleep(POLL_S)
-    failed = next((r for r, p in enumerate(ranks) if p.poll() not in (None, 0)), failed)
-    if failed is None:
-        return 0
+    while True:
+        codes = [p.poll() for p in ranks]                  # every rank, each time: any of them may fail first
+        failed = next((r for r, c in enumerate(codes) if c not in (None, 0)), None)
+        if failed is not None:
+            break
+        if all(c == 0 for c in codes):
+            return 0
+        time.sleep(POLL_S)
     for p in ranks:
         if p.poll() is None:
             p.terminate()
