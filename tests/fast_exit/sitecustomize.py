@@ -1,8 +1,8 @@
 """Test subprocesses only: skip the interpreter's final garbage collections at exit.
 
-The suite starts many Python processes (torchrun and its workers, fairseq-train, the CLI), each holding torch,
-megatron-core or fairseq: hundreds of thousands of objects, which the interpreter's collections walk again and again
-while it tears its modules down, after the work is done. ``gc.freeze()`` in the last exit handler moves every object
+The suite starts many Python processes (the ranks of pretrain_gpt.py and fairseq-train, torchrun, the CLI), each
+holding torch, megatron-core or fairseq: hundreds of thousands of objects, which the interpreter's collections walk
+again and again while it tears its modules down, after the work is done. ``gc.freeze()`` in the last exit handler moves every object
 to the permanent generation, which those collections skip; objects are still released by reference counting, files
 still flush and close, and every other exit handler has already run. tests/conftest.py puts this directory first on
 the ``PYTHONPATH`` the subprocesses inherit; a ``sitecustomize`` it shadows (a distribution's own) still runs.
