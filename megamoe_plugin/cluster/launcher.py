@@ -206,9 +206,13 @@ def run_job(cmd: Sequence[str], nodes: int, procs_per_node, inter_bandwidth: flo
     say = say or (lambda text: print(f"megamoe cluster: {text}", file=sys.stderr, flush=True))
 
     def on_signal(signum, frame):
+        # the first signal stops the job; later ones (``timeout`` and a shell both forward one) must not break off
+        # the removal of the ranks, namespaces and cgroups that this one starts
+        for s in previous:
+            signal.signal(s, signal.SIG_IGN)
         raise _Stopped(signum)
 
-    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGHUP)}
+    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)}
     procs: List[subprocess.Popen] = []
     threads: List[threading.Thread] = []
     world = sum(len(g) for g in layout(nodes, procs_per_node))
