@@ -8,6 +8,7 @@ longest first instead, by their seconds in tests/file_durations.json (measured o
 version; a file it does not list counts 0 and keeps pytest-xdist's place). ``--record-file-durations`` writes that
 table from a run.
 """
+import compileall
 import json
 import os
 import sys
@@ -114,6 +115,11 @@ _FILE_SECONDS = defaultdict(float)        # this run's seconds per test file (se
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "slow: a multi-process test that takes tens of seconds (few, but real)")
+    if not hasattr(config, "workerinput"):
+        # every process the tests start imports the plugin from this checkout; where PYTHONDONTWRITEBYTECODE is set
+        # (as on this project's machines) none of them writes its bytecode, so each compiled the plugin again
+        compileall.compile_dir(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                            "megamoe_plugin"), quiet=1)
 
 
 def pytest_addoption(parser):

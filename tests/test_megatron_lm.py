@@ -13,6 +13,8 @@ modified). A checkout whose training code needs a newer Python than the running 
 ``typing.override``: Python >= 3.12) is skipped here, naming the reason; ``tests/run_megatron_py312.sh`` runs it
 in the Python 3.12 environment. With no checkout at all the module is skipped; ``pytest -rs`` shows the reason.
 """
+import atexit
+import compileall
 import glob
 import importlib.util
 import json
@@ -22,6 +24,7 @@ import re
 import shutil
 import subprocess
 import sys
+import tempfile
 
 import pytest
 from conftest import ranks_command
@@ -122,9 +125,26 @@ def _apply_patch(root):
     return fits[0]
 
 
+_COMPILED_CHECKOUTS = {}
+
+
+def _compiled_checkout(src):
+    """This process's one copy of the checkout ``src`` with its bytecode written. Every test's copy is taken from it,
+    so a launch's ranks load Megatron's modules instead of each compiling several hundred of them: where
+    PYTHONDONTWRITEBYTECODE is set (as on this project's machines) nothing else writes that bytecode."""
+    if src not in _COMPILED_CHECKOUTS:
+        base = tempfile.mkdtemp(prefix="megamoe_checkout_")
+        atexit.register(shutil.rmtree, base, True)
+        dst = os.path.join(base, os.path.basename(src))
+        shutil.copytree(src, dst, symlinks=True, ignore=shutil.ignore_patterns(
+            ".git", "tests", "docs", "images", "examples", "__pycache__", "*.pyc"))
+        compileall.compile_dir(dst, quiet=1)
+        _COMPILED_CHECKOUTS[src] = dst
+    return _COMPILED_CHECKOUTS[src]
+
+
 def _copy_checkout(src, dst):
-    shutil.copytree(src, dst, symlinks=True, ignore=shutil.ignore_patterns(
-        ".git", "tests", "docs", "images", "examples", "__pycache__", "*.pyc"))
+    shutil.copytree(_compiled_checkout(src), dst, symlinks=True)
     return str(dst)
 
 
