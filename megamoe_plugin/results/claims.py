@@ -78,7 +78,8 @@ def _dynamoe(data: Data, t: PaperTables) -> List[list]:
     return [
         ["DynaMoE vs existing MoE systems, no recompilation (000 abstract, Fig. 4)", "1.8x",
          f"not reproduced (needs FastMoE on a GPU); our dropless layer over megatron-core's: {layer} on CPU, {gpu} "
-         "on an H100 (SequentialMLP), a different baseline", "measured here (CPU); measured on a GPU (H100)",
+         f"on an {data.gpu_name()} (SequentialMLP), a different baseline",
+         f"measured here (CPU); measured on a GPU ({data.gpu_name()})",
          "not tested"],
         ["DynaMoE: larger models before out-of-memory (000 abstract, Fig. 4)", "2.3x",
          "not reproduced: no GPU memory limit to hit on CPU", "-", "not tested"],

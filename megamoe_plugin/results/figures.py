@@ -54,7 +54,7 @@ def layer(data: Data, out: str) -> str:
     _bars(axes[1], [f"{c['config']}\n{c['routing']}" for c in gpu],
           {"ours": [c["ours"] for c in gpu], "megatron-core SequentialMLP": [c["megatron"] for c in gpu],
            "grouped GEMM floor": [c["floor"] for c in gpu]}, "ms, forward + backward",
-          f"GPU, H100 bf16 ({data.runs['layer-gpu']['date']})")
+          f"GPU, {data.gpu_name()} bf16 ({data.runs['layer-gpu']['date']})")
     title = "`megamoe bench layer`: one MoE layer per shape (config) and routing, forward + backward"
     return _save(fig, title, out, "layer")
 

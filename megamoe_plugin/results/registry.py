@@ -65,6 +65,10 @@ class Data:
         note = f". {r['note']}" if r.get("note") else ""
         return f"**{r['how']}**, {r['date']}, commit {self.commit(run_id)} ([raw data](docs/data/{r['path']})){note}"
 
+    def gpu_name(self) -> str:
+        """The GPU of the layer benchmark's GPU run (its ``gpu`` field), as the pages name it."""
+        return self.runs["layer-gpu"].get("gpu", "GPU")
+
     def command(self, run_id: str) -> str:
         return f"```bash\n{self.runs[run_id]['command']}\n```"
 

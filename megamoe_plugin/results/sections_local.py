@@ -63,9 +63,15 @@ def layer(data: Data) -> Section:
                  f"{c['ours'] / c['floor']:.3f}", ratio(c["megatron"] / c["ours"]),
                  ratio(c["megatron_ds"] / c["ours_ds"]) if c["ours_ds"] else "-",
                  f"{c['ours_ds'] / c['ours']:.3f}" if c["ours_ds"] else "-"] for c in cpu]
-    gpu_rows = [[c["config"], c["routing"], f"{c['ours']:.2f}", f"{c['megatron']:.2f}", f"{c['grouped']:.2f}",
-                 f"{c['te']:.2f}", f"{c['floor']:.2f}", ratio(c["megatron"] / c["ours"]),
-                 ratio(min(c["grouped"], c["te"]) / c["ours"])] for c in gpu]
+    def ms(v):                       # a grouped peer that did not run there (no grouped_gemm package): "-"
+        return "-" if v is None else f"{v:.2f}"
+
+    def best_grouped(c):
+        done = [v for v in (c["grouped"], c["te"]) if v is not None]
+        return ratio(min(done) / c["ours"]) if done else "-"
+
+    gpu_rows = [[c["config"], c["routing"], ms(c["ours"]), ms(c["megatron"]), ms(c["grouped"]), ms(c["te"]),
+                 ms(c["floor"]), ratio(c["megatron"] / c["ours"]), best_grouped(c)] for c in gpu]
     vs_mc = [c["megatron"] / c["ours"] for c in cpu]
     shape1 = [c["ours"] / c["floor"] for c in cpu if c["config"].startswith("1")]
     vs_gpu = [c["megatron"] / c["ours"] for c in gpu]
@@ -85,7 +91,7 @@ def layer(data: Data) -> Section:
                       min(vs_mc) >= LAYER_VS_MEGATRON, "layer"),
              Headline("layer (CPU): ours / expert floor, first shape", span(shape1, 3, ""), f"<= {FLOOR_SHAPE_1:.2f}",
                       max(shape1) <= FLOOR_SHAPE_1, "layer"),
-             Headline("layer (GPU, H100 bf16): megatron-core's SequentialMLP / ours", span(vs_gpu) + " over "
+             Headline(f"layer (GPU, {data.gpu_name()} bf16): megatron-core's SequentialMLP / ours", span(vs_gpu) + " over "
                       f"{len(vs_gpu)} cells", f">= {ratio(LAYER_VS_MEGATRON_GPU)} in every cell",
                       min(vs_gpu) >= LAYER_VS_MEGATRON_GPU, "layer")]
     return Section("layer", "`megamoe bench layer`: one MoE layer, forward + backward", body, heads,
