@@ -234,9 +234,6 @@ def run_job(cmd: Sequence[str], nodes: int, procs_per_node, inter_bandwidth: flo
             code = _wait(procs, timeout, log_dir, say)
             _report_traffic(cluster, before, cluster.link_bytes(), log_dir, say)
             return code
-    except KeyboardInterrupt:
-        say("interrupted: stopping every rank and removing the emulated cluster")
-        return 130
     except _Stopped as s:
         say(f"{s}: stopping every rank and removing the emulated cluster")
         return 128 + s.signum
