@@ -25,6 +25,15 @@ if compgen -G ".whl/*.whl" >/dev/null; then
 else
   export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 fi
+# megatron-core 0.16 without Transformer Engine reads an undefined name, te_general_gemm, in its router's CUDA path
+# (0.17+ define it None), so its own MoE layer fails at the first step: these checks give it that None (a builtins
+# entry, where a module's missing global falls back to), through a sitecustomize of this run only
+if ! $PY -c "import transformer_engine" >/dev/null 2>&1; then
+  mkdir -p /tmp/megamoe-te-none
+  echo "import builtins; builtins.te_general_gemm = None" >/tmp/megamoe-te-none/sitecustomize.py
+  export PYTHONPATH=/tmp/megamoe-te-none:$PYTHONPATH
+  echo "no Transformer Engine: megatron-core's router given te_general_gemm = None (as megatron-core 0.17+ define it)"
+fi
 failed=0
 step() {  # step NAME SECONDS CMD...: run, log to OUTDIR/NAME.log, count a failure
   local name=$1 limit=$2; shift 2
