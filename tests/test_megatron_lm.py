@@ -205,8 +205,8 @@ def test_patched_pretrain_gpt(checkout, tmp_path):
     record = tmp_path / "record"
     record.mkdir()
     rc, out = _launch([os.path.join(root, "pretrain_gpt.py")] + CPU_ARGS + TINY_ARGS + MOE_ARGS + POLICY_ARGS
-                        + ["--log-interval", "1"], _env(tmp_path, root, record, compiled_fusions=True), tmp_path,
-                        torchrun=True)
+                      + ["--log-interval", "1"], _env(tmp_path, root, record, compiled_fusions=True), tmp_path,
+                      torchrun=True)
     _check_training(rc, out, record, log_interval=1)
 
 
@@ -218,7 +218,7 @@ def test_patched_pretrain_gpt_tensor_parallel_sequence_parallel_expert_parallel(
     _apply_patch(root)
     tp = ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--expert-tensor-parallel-size", "1"]
     rc, out = _launch([os.path.join(root, "pretrain_gpt.py")] + CPU_ARGS + TINY_ARGS + MOE_ARGS + tp
-                        + ["--log-interval", "1"], _env(tmp_path, root, tmp_path), tmp_path, nproc=4)
+                      + ["--log-interval", "1"], _env(tmp_path, root, tmp_path), tmp_path, nproc=4)
     assert rc == 0, _tail(out)
     losses = {int(i): float(v) for i, v in LM_LOSS.findall(out)}
     assert sorted(losses) == list(range(1, ITERS + 1)) and all(math.isfinite(v) for v in losses.values()), _tail(out)
@@ -227,8 +227,8 @@ def test_patched_pretrain_gpt_tensor_parallel_sequence_parallel_expert_parallel(
     assert [int(i) for i in summary] == list(range(1, ITERS + 1)), _tail(out)
     # without the plugin's TP requirement met, the plugin's own check now speaks (it was never reached before)
     rc, out = _launch([os.path.join(root, "pretrain_gpt.py")] + CPU_ARGS + TINY_ARGS + MOE_ARGS
-                        + ["--tensor-model-parallel-size", "2", "--expert-tensor-parallel-size", "2"],
-                        _env(tmp_path, root, tmp_path), tmp_path, nproc=2)
+                      + ["--tensor-model-parallel-size", "2", "--expert-tensor-parallel-size", "2"],
+                      _env(tmp_path, root, tmp_path), tmp_path, nproc=2)
     assert rc != 0 and "error: megamoe-plugin: --expert-tensor-parallel-size=2" in out, _tail(out)
 
 
@@ -238,8 +238,8 @@ def test_launcher_unmodified_pretrain_gpt(checkout, tmp_path):
     record = tmp_path / "record"
     record.mkdir()
     rc, out = _launch(["-m", "megamoe_plugin.megatron_adapter.launch", os.path.join(root, "pretrain_gpt.py")]
-                        + CPU_ARGS + TINY_ARGS + MOE_ARGS + POLICY_ARGS + ["--log-interval", "2"],
-                        _env(tmp_path, root, record), tmp_path, torchrun=True)
+                      + CPU_ARGS + TINY_ARGS + MOE_ARGS + POLICY_ARGS + ["--log-interval", "2"],
+                      _env(tmp_path, root, record), tmp_path, torchrun=True)
     _check_training(rc, out, record, log_interval=2)
     with open(os.path.join(root, "pretrain_gpt.py")) as f:
         assert "megamoe" not in f.read()
@@ -252,9 +252,9 @@ def test_launcher_pipeline_parallel_expert_parallel(checkout, tmp_path):
     record = tmp_path / "record"
     record.mkdir()
     rc, out = _launch(["-m", "megamoe_plugin.megatron_adapter.launch", os.path.join(root, "pretrain_gpt.py")]
-                        + CPU_ARGS + TINY_ARGS + MOE_ARGS + POLICY_ARGS
-                        + ["--pipeline-model-parallel-size", "2", "--log-interval", "1"],
-                        _env(tmp_path, root, record), tmp_path, nproc=4)
+                      + CPU_ARGS + TINY_ARGS + MOE_ARGS + POLICY_ARGS
+                      + ["--pipeline-model-parallel-size", "2", "--log-interval", "1"],
+                      _env(tmp_path, root, record), tmp_path, nproc=4)
     assert rc == 0, _tail(out)
     losses = {int(i): float(v) for i, v in LM_LOSS.findall(out)}
     assert sorted(losses) == list(range(1, ITERS + 1)) and all(math.isfinite(v) for v in losses.values()), _tail(out)
@@ -275,7 +275,7 @@ def test_bad_flag_combination_fails_at_validation(checkout, tmp_path):
     root = _copy_checkout(checkout, tmp_path / "Megatron-LM")
     args = [a if a != "gshard" else "switch" for a in MOE_ARGS]
     rc, out = _launch(["-m", "megamoe_plugin.megatron_adapter.launch", os.path.join(root, "pretrain_gpt.py")]
-                        + CPU_ARGS + TINY_ARGS + args, _env(tmp_path, root, tmp_path), tmp_path)
+                      + CPU_ARGS + TINY_ARGS + args, _env(tmp_path, root, tmp_path), tmp_path)
     assert rc != 0, _tail(out)
     assert re.search(r"error: megamoe-plugin: --moe-router-topk=2: the switch gate routes each token to 1 expert; "
                      r"use --moe-router-topk=1", out), _tail(out)
@@ -336,7 +336,7 @@ def test_flexmoe_placement_in_megatron_lm_same_training_and_checkpoint(checkout,
     for name, extra in (("none", []), ("flexmoe", placement)):
         ck = str(tmp_path / f"ck_{name}")
         rc, out = _launch([script] + base + ep2 + extra + ["--save", ck, "--save-interval", str(ITERS),
-                                                             "--exit-interval", str(ITERS)], env, tmp_path, nproc)
+                                                           "--exit-interval", str(ITERS)], env, tmp_path, nproc)
         assert rc == 0 and "successfully saved checkpoint" in out, _tail(out)
         losses = {int(i): float(v) for i, v in LM_LOSS.findall(out)}
         assert sorted(losses) == list(range(1, ITERS + 1)), _tail(out)
@@ -366,10 +366,10 @@ def test_distributed_optimizer_placement_checkpoint_format_fails_at_validation(c
     validate_args, the flags named, before any model is built."""
     root = _copy_checkout(checkout, tmp_path / "Megatron-LM")
     rc, out = _launch(["-m", "megamoe_plugin.megatron_adapter.launch", os.path.join(root, "pretrain_gpt.py")]
-                        + CPU_ARGS + TINY_ARGS + MOE_ARGS + ["--use-distributed-optimizer", "--moe-plugin-placement",
-                                                             "flexmoe", "--save", str(tmp_path / "ck"),
-                                                             "--save-interval", "2"],
-                        _env(tmp_path, root, tmp_path), tmp_path)
+                      + CPU_ARGS + TINY_ARGS + MOE_ARGS + ["--use-distributed-optimizer", "--moe-plugin-placement",
+                                                           "flexmoe", "--save", str(tmp_path / "ck"),
+                                                           "--save-interval", "2"],
+                      _env(tmp_path, root, tmp_path), tmp_path)
     assert rc != 0, _tail(out)
     assert re.search(r"error: megamoe-plugin: --use-distributed-optimizer with --moe-plugin-placement=flexmoe and "
                      r"--save/--load: .*--dist-ckpt-optim-fully-reshardable", out), _tail(out)
